@@ -1,0 +1,394 @@
+"""The generic patcher: ``apply_alignment`` / ``remove_alignment`` / ``aligned``.
+
+One set of aligned forwards (decoder layer, attention, MLP, final norm) serves every family in
+:mod:`rlalign_verl.families`; the profile decides the rounding. Patching binds a forward on each
+*instance* (``module.forward``), so the classes, ``state_dict`` keys, parameter dtypes and other models in
+the same process are untouched, and removal restores the instances exactly. The class form
+(``model=None``) hooks the families' base-model constructors so that models built afterwards are
+patched the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import LigerConflictError, UnsupportedModelError
+from .families import FAMILIES, ModelFamily, get_family
+from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
+from .regions import normalize_regions
+from .regions.residual_stream import pack, unpack
+from .regions.rmsnorm import add_rms_norm, rms_norm
+from .regions.rope import apply_rope, rope_table
+from .regions.swiglu import swiglu
+
+logger = logging.getLogger("rlalign_verl")
+
+_STATE_ATTR = "_rlalign_state"
+_SAVED_FORWARD = "_rlalign_saved_forward"
+
+
+@dataclass(frozen=True)
+class AlignmentState:
+    """What is active on a model: the regions and the engine profile they mirror."""
+
+    regions: tuple[str, ...]
+    profile: EngineProfile
+    model_type: str
+
+    def describe(self) -> str:
+        return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}"
+
+    # the rounding each region uses: the profile's where aligned, HF's own elsewhere
+    @property
+    def rope(self):
+        return self.profile.rope if "rope" in self.regions else HF.rope
+
+    @property
+    def swiglu(self):
+        return self.profile.swiglu if "swiglu" in self.regions else HF.swiglu
+
+    @property
+    def norm(self):
+        return self.profile.norm if "rmsnorm" in self.regions else HF.norm
+
+
+# --- aligned forwards (bound to instances; ``st`` is closed over) ---------------------------------
+
+
+def _mlp_forward(st: AlignmentState) -> Callable:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), st.swiglu))
+
+    return forward
+
+
+def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager_attention = family.module().eager_attention_forward
+    norm_on = "rmsnorm" in st.regions
+    # Inductor fuses q/k-norm into RoPE on some paths: the normalised q/k is then never rounded.
+    fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
+    fp32_table = st.rope.table == "fp32"
+    rotary_ref = weakref.ref(rotary)
+
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if family.qk_norm:
+            if norm_on:
+                q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
+                k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+
+        if fp32_table:
+            position_ids = kwargs.get("position_ids")
+            if position_ids is None:
+                raise ValueError("an fp32-table RoPE profile needs position_ids in the attention call")
+            rot = rotary_ref()
+            cos, sin = rope_table(rot.inv_freq, position_ids, rot.attention_scaling)
+        else:
+            cos, sin = position_embeddings
+        q, k = apply_rope(q, k, cos, sin, st.rope, out_dtype=v.dtype)
+
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        if hasattr(self, "sliding_window"):
+            kwargs["sliding_window"] = self.sliding_window
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+    return forward
+
+
+def _layer_forward(st: AlignmentState) -> Callable:
+    """vLLM-style layer: takes and returns the packed ``(hidden, residual)`` stream."""
+    mode = st.profile.residual
+    # the input norm's residual leaves the compiled piece before attention (AT_ATTENTION) or is
+    # stored at every add (EVERY_ADD); only a one-graph model (NEVER) keeps it fp32 throughout.
+    round_at_input = mode in (Residual.EVERY_ADD, Residual.AT_ATTENTION)
+    round_at_post = mode is Residual.EVERY_ADD
+
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
+        h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
+        if residual is None:  # first layer: plain norm, the embedding is the residual
+            x, residual = rms_norm(h, ln_in.weight, ln_in.variance_epsilon, st.norm), h
+        else:
+            x, residual = add_rms_norm(
+                h, residual, ln_in.weight, ln_in.variance_epsilon, st.norm, round_residual=round_at_input
+            )
+        a, _ = self.self_attn(
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        x, residual = add_rms_norm(
+            a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post
+        )
+        return pack(self.mlp(x), residual)
+
+    return forward
+
+
+def _final_norm_forward(st: AlignmentState) -> Callable:
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        h, residual = unpack(hidden_states, self.weight.shape[-1])
+        if residual is None:
+            return rms_norm(h, self.weight, self.variance_epsilon, st.norm)
+        y, _ = add_rms_norm(h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True)
+        return y
+
+    return forward
+
+
+# --- instance patching -------------------------------------------------------------------------
+
+
+def _bind(module: nn.Module, fn: Callable) -> None:
+    if _SAVED_FORWARD not in module.__dict__:
+        module.__dict__[_SAVED_FORWARD] = module.__dict__.get("forward")
+    module.forward = types.MethodType(fn, module)
+
+
+def _unbind(module: nn.Module) -> None:
+    if _SAVED_FORWARD not in module.__dict__:
+        return
+    saved = module.__dict__.pop(_SAVED_FORWARD)
+    if saved is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = saved
+
+
+def _is_liger(obj: object) -> bool:
+    mod = getattr(obj, "__module__", None) or ""
+    return mod.startswith("liger_kernel")
+
+
+def _check_not_liger(model: nn.Module, family: ModelFamily) -> None:
+    offenders = []
+    for name, m in model.named_modules():
+        fwd = m.__dict__.get("forward")
+        if _is_liger(type(m)) or _is_liger(type(m).forward) or (fwd is not None and _is_liger(getattr(fwd, "__func__", fwd))):
+            offenders.append(name or type(m).__name__)
+    rope_fn = getattr(family.module(), "apply_rotary_pos_emb", None)
+    if _is_liger(rope_fn):
+        offenders.append(f"{family.modeling_module}.apply_rotary_pos_emb")
+    if offenders:
+        raise LigerConflictError(
+            "this model was patched by Liger kernels (" + ", ".join(offenders[:3]) + (" ..." if len(offenders) > 3 else "")
+            + "), which replace the same RoPE/RMSNorm/SwiGLU forwards with their own rounding; build the model "
+            "without Liger (verl: actor_rollout_ref.model.use_liger=False; OpenRLHF: drop --use_liger_kernel) "
+            "or turn alignment off"
+        )
+
+
+def _base_model(model: nn.Module, family: ModelFamily) -> nn.Module:
+    base_cls = family.cls("base_model")
+    if isinstance(model, base_cls):
+        return model
+    for m in model.modules():
+        if isinstance(m, base_cls):
+            return m
+    raise UnsupportedModelError(f"no {family.base_model} found inside {type(model).__name__}")
+
+
+def _patch_instance(model: nn.Module, regions: tuple[str, ...], profile: EngineProfile) -> nn.Module:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no HF config.model_type; apply_alignment needs a transformers model "
+            f"of type {', '.join(FAMILIES)}"
+        )
+    family = get_family(model_type)
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
+    _check_not_liger(model, family)
+
+    current = get_alignment(model)
+    if current is not None:
+        if current.regions == regions and current.profile == profile:
+            return model  # idempotent
+        _unpatch_instance(model)
+    if not regions:
+        return model
+
+    st = AlignmentState(regions=regions, profile=profile, model_type=model_type)
+    base = _base_model(model, family)
+    layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
+    attn_needed = "rope" in regions or ("rmsnorm" in regions and family.qk_norm)
+    attn_fwd = _attention_forward(st, family, base.rotary_emb) if attn_needed else None
+    mlp_fwd = _mlp_forward(st) if "swiglu" in regions else None
+    layer_fwd = _layer_forward(st) if "rmsnorm" in regions else None
+    for m in model.modules():
+        if attn_fwd and isinstance(m, attn_cls):
+            _bind(m, attn_fwd)
+        elif mlp_fwd and isinstance(m, mlp_cls):
+            _bind(m, mlp_fwd)
+        elif layer_fwd and isinstance(m, layer_cls):
+            _bind(m, layer_fwd)
+    if layer_fwd:
+        _bind(base.norm, _final_norm_forward(st))
+    model.__dict__[_STATE_ATTR] = st
+    if base is not model:
+        base.__dict__[_STATE_ATTR] = st
+    return model
+
+
+def _unpatch_instance(model: nn.Module) -> None:
+    for m in model.modules():
+        _unbind(m)
+        m.__dict__.pop(_STATE_ATTR, None)
+
+
+# --- class form: patch models as they are constructed -----------------------------------------
+
+_class_patch: dict[str, object] = {}
+_patched_models: weakref.WeakSet = weakref.WeakSet()
+
+
+def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile) -> None:
+    _remove_class_hooks()
+    for family in FAMILIES.values():
+        try:
+            base_cls = family.cls("base_model")
+        except (ImportError, AttributeError):
+            continue
+        original_init = base_cls.__init__
+
+        def init(self, *args, _orig=original_init, **kwargs):
+            _orig(self, *args, **kwargs)
+            _patch_instance(self, regions, profile)
+            _patched_models.add(self)
+
+        init.__wrapped__ = original_init  # type: ignore[attr-defined]
+        base_cls.__init__ = init
+        _class_patch[family.model_type] = (base_cls, original_init)
+    _class_patch["state"] = (regions, profile)
+
+
+def _remove_class_hooks() -> None:
+    for key, value in list(_class_patch.items()):
+        if key != "state":
+            base_cls, original_init = value
+            base_cls.__init__ = original_init
+    _class_patch.clear()
+
+
+# --- public API --------------------------------------------------------------------------------
+
+
+def get_alignment(model: nn.Module) -> AlignmentState | None:
+    """The alignment active on ``model`` (a HF model or its base model), or ``None``."""
+    st = model.__dict__.get(_STATE_ATTR)
+    if st is None:
+        for m in model.modules():
+            st = m.__dict__.get(_STATE_ATTR)
+            if st is not None:
+                break
+    return st
+
+
+def apply_alignment(
+    model: nn.Module | None = None,
+    *,
+    regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
+    engine: str | EngineProfile = DEFAULT_PROFILE,
+) -> nn.Module | None:
+    """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
+
+    With ``model=None`` every supported model constructed afterwards is aligned (class form).
+    Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
+    ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
+    """
+    regions_t = normalize_regions(regions)
+    profile = get_profile(engine)
+    if model is None:
+        if regions_t:
+            _install_class_hooks(regions_t, profile)
+        else:
+            _remove_class_hooks()
+        return None
+    if not regions_t:
+        if get_alignment(model) is not None:
+            _unpatch_instance(model)
+        return model
+    _patch_instance(model, regions_t, profile)
+    logger.debug("rlalign: aligned %s: %s", type(model).__name__, get_alignment(model).describe())
+    return model
+
+
+def remove_alignment(model: nn.Module | None = None) -> None:
+    """Undo :func:`apply_alignment`: on ``model``, or (``None``) the class form and every model it patched."""
+    if model is not None:
+        _unpatch_instance(model)
+        return
+    _remove_class_hooks()
+    for m in list(_patched_models):
+        _unpatch_instance(m)
+    _patched_models.clear()
+
+
+@contextlib.contextmanager
+def aligned(
+    model: nn.Module | None = None,
+    *,
+    regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
+    engine: str | EngineProfile = DEFAULT_PROFILE,
+) -> Iterator[nn.Module | None]:
+    """Context-manager form: aligned inside the block, restored on exit."""
+    previous = get_alignment(model) if model is not None else None
+    apply_alignment(model, regions=regions, engine=engine)
+    try:
+        yield model
+    finally:
+        remove_alignment(model)
+        if previous is not None:
+            apply_alignment(model, regions=previous.regions, engine=previous.profile)

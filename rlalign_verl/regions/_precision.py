@@ -1,0 +1,24 @@
+"""Small helpers shared by the region functions: local autocast control and the rounding primitive."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def fp32_math(*tensors: torch.Tensor) -> Iterator[None]:
+    """Disable autocast for the region's own math so fp32 intermediates stay fp32.
+
+    Thread-local and scoped to the ``with`` block: no global torch state is changed.
+    """
+    device_type = tensors[0].device.type if tensors else "cpu"
+    with torch.autocast(device_type=device_type, enabled=False):
+        yield
+
+
+def rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``R(x)``: round an fp32 tensor to the activation dtype, returned as fp32 for further math."""
+    return x.to(dtype).float()

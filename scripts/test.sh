@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the whole test suite (lint + the main suite + OpenRLHF's suite in its own environment).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check rlalign_verl tests benchmarks scripts
+.venv/bin/python -m pytest tests "$@"
+if [ -f scripts/test_openrlhf.sh ]; then
+    bash scripts/test_openrlhf.sh
+fi

@@ -1,0 +1,138 @@
+"""Backward of every region matches an fp64 autograd reference.
+
+Tolerance: the gradients are returned in the input dtype (bf16), i.e. rounded once at the end
+(relative error <= 2^-9), and the fp32 backward math can cancel (the RMSNorm gradient subtracts two
+terms of the size of the largest element), so we allow ``rtol = 2^-7`` and ``atol = 2^-7 * max|ref|``.
+Roundings inside the forward are straight-through, so the reference is the unrounded formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlalign_verl.profiles import PROFILES, Mean, get_profile
+from rlalign_verl.regions.residual_stream import pack, unpack
+from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
+from rlalign_verl.regions.rope import apply_rope, rope_table
+from rlalign_verl.regions.swiglu import swiglu
+
+BF = torch.bfloat16
+EPS = 1e-6
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    ref = ref.double()
+    tol = 2**-7
+    torch.testing.assert_close(ours.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+def leaf(t: torch.Tensor, dtype=BF) -> torch.Tensor:
+    return t.to(dtype).detach().requires_grad_(True)
+
+
+def _ref_norm64(s, w, mean: Mean):
+    var = s.pow(2).mean(-1, keepdim=True) if mean is Mean.MEAN else s.pow(2).sum(-1, keepdim=True) / s.shape[-1]
+    return s * torch.rsqrt(var + EPS) * w
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("residual_dtype", [BF, torch.float32])
+def test_add_rms_norm_grad(profile: str, residual_dtype: torch.dtype) -> None:
+    p = get_profile(profile)
+    torch.manual_seed(0)
+    h, r = leaf(torch.randn(3, 5, 896) * 2), leaf(torch.randn(3, 5, 896) * 5, residual_dtype)
+    w = leaf(1 + 0.2 * torch.randn(896))
+    gy, gr = torch.randn(3, 5, 896), torch.randn(3, 5, 896)
+    for round_residual in (True, False):
+        for t in (h, r, w):
+            t.grad = None
+        y, res = add_rms_norm(h, r, w, EPS, p.norm, round_residual=round_residual)
+        (y.float() * gy).sum().add_((res.float() * gr).sum()).backward()
+
+        h64, r64, w64 = (t.detach().double().requires_grad_(True) for t in (h, r, w))
+        s64 = h64 + r64
+        ((_ref_norm64(s64, w64, p.norm.mean) * gy.double()).sum() + (s64 * gr.double()).sum()).backward()
+        close(h.grad, h64.grad)
+        close(r.grad, r64.grad)
+        close(w.grad, w64.grad)
+        assert h.grad.dtype == BF and r.grad.dtype == residual_dtype and w.grad.dtype == BF
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_rms_norm_grad(profile: str) -> None:
+    p = get_profile(profile)
+    torch.manual_seed(1)
+    x, w = leaf(torch.randn(4, 7, 128) * 3), leaf(1 + 0.2 * torch.randn(128))
+    gy = torch.randn(4, 7, 128)
+    for keep_fp32 in (False, True):
+        x.grad = w.grad = None
+        (rms_norm(x, w, EPS, p.norm, keep_fp32=keep_fp32).float() * gy).sum().backward()
+        x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+        (_ref_norm64(x64, w64, p.norm.mean) * gy.double()).sum().backward()
+        close(x.grad, x64.grad)
+        close(w.grad, w64.grad)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_swiglu_grad(profile: str) -> None:
+    p = get_profile(profile)
+    torch.manual_seed(2)
+    g, u = leaf(torch.randn(3, 11, 300) * 3), leaf(torch.randn(3, 11, 300) * 2)
+    go = torch.randn(3, 11, 300)
+    (swiglu(g, u, p.swiglu).float() * go).sum().backward()
+    g64, u64 = (t.detach().double().requires_grad_(True) for t in (g, u))
+    (F.silu(g64) * u64 * go.double()).sum().backward()
+    close(g.grad, g64.grad)
+    close(u.grad, u64.grad)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_rope_grad(profile: str) -> None:
+    p = get_profile(profile)
+    torch.manual_seed(3)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 64, 2).float() / 64))
+    pos = torch.randint(0, 5000, (2, 13))
+    cos32, sin32 = rope_table(inv_freq, pos)
+    cos, sin = (cos32, sin32) if p.rope.table == "fp32" else (cos32.to(BF), sin32.to(BF))
+    q, k = leaf(torch.randn(2, 4, 13, 64) * 2), leaf(torch.randn(2, 2, 13, 64))
+    gq, gk = torch.randn(2, 4, 13, 64), torch.randn(2, 2, 13, 64)
+    qo, ko = apply_rope(q, k, cos, sin, p.rope)
+    ((qo.float() * gq).sum() + (ko.float() * gk).sum()).backward()
+
+    c = (cos.double() if p.rope.table == "fp32" else cos.float().double()).unsqueeze(1)
+    s = (sin.double() if p.rope.table == "fp32" else sin.float().double()).unsqueeze(1)
+
+    def rot64(x):
+        x1, x2 = x[..., :32], x[..., 32:]
+        return x * c + torch.cat((-x2, x1), -1) * s
+
+    q64, k64 = (t.detach().double().requires_grad_(True) for t in (q, k))
+    ((rot64(q64) * gq.double()).sum() + (rot64(k64) * gk.double()).sum()).backward()
+    close(q.grad, q64.grad)
+    close(k.grad, k64.grad)
+
+
+def test_residual_limbs_are_exact_forward_and_backward() -> None:
+    torch.manual_seed(4)
+    h = torch.randn(2, 3, 64).to(BF)
+    s = (torch.randn(2, 3, 64) * torch.logspace(-20, 20, 64)).requires_grad_(True)  # wide exponent range
+    packed = pack(h, s)
+    assert packed.dtype == BF and packed.shape[-1] == 4 * 64
+    h2, s2 = unpack(packed.to(BF), 64)  # what FSDP2's cast_forward_inputs does: a no-op on bf16
+    assert torch.equal(h2, h) and s2.dtype == torch.float32
+    assert torch.equal(s2, s.detach()), "three bf16 limbs must carry an fp32 value exactly"
+    g = torch.randn(2, 3, 64) * torch.logspace(-10, 10, 64)
+    (s2 * g).sum().backward()
+    assert torch.equal(s.grad, g), "the fp32 gradient must travel back through the limbs exactly"
+
+
+def test_residual_same_dtype_pair_and_plain() -> None:
+    h, r = torch.randn(5, 32).to(BF), torch.randn(5, 32).to(BF)
+    assert pack(h, r).shape == (5, 64)
+    h2, r2 = unpack(pack(h, r), 32)
+    assert torch.equal(h2, h) and torch.equal(r2, r)
+    assert unpack(h, 32)[1] is None
+    with pytest.raises(ValueError, match="packed residual stream"):
+        unpack(torch.randn(5, 96), 32)
