@@ -81,14 +81,14 @@ def test_fp32_residual_stream_vs_vllm_whole_graph() -> None:
     outs = eo.rms_norm_chain(hs, r, w, EPS, compiled=True)
     residual = r
     worst = 1.0
-    for h, out in zip(hs, outs):
+    for h, out in zip(hs, outs, strict=True):
         y, residual = add_rms_norm(h, residual, w, EPS, p.norm, round_residual=False)
         worst = min(worst, identical(y, out))
     assert residual.dtype == torch.float32
     assert worst >= NORM_MIN_IDENTICAL["vllm-cpu"]
     # and it is NOT what rounding the residual at every add gives
     residual, rounded = r, 1.0
-    for h, out in zip(hs, outs):
+    for h, out in zip(hs, outs, strict=True):
         y, residual = add_rms_norm(h, residual, w, EPS, p.norm, round_residual=True)
         rounded = min(rounded, identical(y, out))
     assert rounded < 0.999

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-from rlalign_verl.errors import LigerConflictError, UnknownProfileError, UnknownRegionError, UnsupportedModelError
+from rlalign_verl.errors import (
+    UnknownProfileError,
+    UnknownRegionError,
+    UnsupportedModelError,
+)
 from rlalign_verl.patch import aligned, apply_alignment, get_alignment, remove_alignment
 
 BF = torch.bfloat16
@@ -139,7 +150,7 @@ def test_training_step_under_autocast(kind: str, param_dtype: torch.dtype) -> No
         opt.zero_grad()
     assert torch.isfinite(out.loss)
     assert all(p.dtype == param_dtype for p in model.parameters())
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "vllm-cpu", "vllm-cpu-eager"])
@@ -152,7 +163,7 @@ def test_gradient_checkpointing_gives_identical_gradients(engine: str) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model(IDS, labels=IDS).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def _token_logprobs(model, ids, **kw) -> torch.Tensor:

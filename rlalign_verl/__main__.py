@@ -1,0 +1,3 @@
+from rlalign_verl.cli import main
+
+raise SystemExit(main())

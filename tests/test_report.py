@@ -1,0 +1,179 @@
+"""``rlalign-verl report`` on logs written by verl's real Tracking backends (file JSONL, TensorBoard)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import math
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from rlalign_verl import report
+
+Tracking = pytest.importorskip("verl.utils.tracking").Tracking
+pytest.importorskip("tensorboard")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step_metrics(step: int, gap: float, with_training: bool = True) -> dict[str, float]:
+    m = {
+        "mismatch/logp_abs_diff_mean": gap * (1 + 0.1 * step),
+        "mismatch/logp_abs_diff_p99": 8 * gap,
+        "mismatch/kl_k3": gap * gap / 2,
+        "mismatch/ratio_max": 1 + 10 * gap * step,
+        "mismatch/ratio_min": 1 / (1 + 10 * gap * step),
+        "mismatch/ratio_clip_frac": min(1.0, gap * step),
+        "mismatch/seq_log_ratio_abs_mean": 5 * gap,
+        "mismatch/num_tokens": 1000,
+    }
+    if with_training:
+        m.update({"critic/score/mean": 0.1 * step, "actor/entropy": 1.0 - 0.05 * step, "actor/grad_norm": 2.0})
+    return m
+
+
+def write_file_run(path: Path, monkeypatch, gap: float, steps: int = 6, with_training: bool = True) -> Path:
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracking = Tracking(project_name="p", experiment_name=path.stem, default_backend=["file"])
+    for step in range(1, steps + 1):
+        data = step_metrics(step, gap, with_training)
+        if step == 3:
+            data["mismatch/kl_k3"] = float("nan")  # serialized as null: skipped, not a crash
+            data["note"] = "text values are ignored"
+        tracking.log(data=data, step=step)
+    tracking.finish()
+    return path
+
+
+def write_tensorboard_run(directory: Path, monkeypatch, gap: float, steps: int = 6) -> Path:
+    monkeypatch.setenv("TENSORBOARD_DIR", str(directory))
+    tracking = Tracking(project_name="p", experiment_name="tb", default_backend=["tensorboard"])
+    for step in range(1, steps + 1):
+        tracking.log(data=step_metrics(step, gap), step=step)
+    tracking.finish()
+    return directory
+
+
+class _Images(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def call(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="rlalign-verl")
+    report.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", *argv])
+    return report.run(args)
+
+
+def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsys):
+    import matplotlib.image
+
+    baseline = write_file_run(tmp_path / "baseline.jsonl", monkeypatch, gap=0.02)
+    rope = write_tensorboard_run(tmp_path / "tb" / "rope", monkeypatch, gap=0.01)
+    run_dir = tmp_path / "all_regions_dir"
+    run_dir.mkdir()
+    write_file_run(run_dir / "metrics.jsonl", monkeypatch, gap=0.002, with_training=False)
+    out = tmp_path / "out"
+
+    rc = call(str(baseline), str(rope), str(run_dir), "--out", str(out), "--labels", "baseline,rope,all")
+    assert rc == 0, capsys.readouterr().err
+    names = ["overview", "logp_gap", "kl", "ratio_extremes", "clip_frac", "seq_log_ratio", "reward", "entropy",
+             "grad_norm"]
+    for name in names:
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        image = matplotlib.image.imread(png)
+        assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300
+        assert image.std() > 0.01  # not a blank canvas
+
+    parser = _Images()
+    page = (out / "report.html").read_text(encoding="utf-8")
+    parser.feed(page)
+    assert len(parser.images) == len(names)
+    embedded = {base64.b64decode(src.split(",", 1)[1]) for src in parser.images}
+    assert all(src.startswith("data:image/png;base64,") for src in parser.images)
+    assert embedded == {(out / f"{name}.png").read_bytes() for name in names}  # each plot, self-contained
+    text = " ".join(parser.text)
+    for label in ("baseline", "rope", "all"):
+        assert label in text
+    assert "tensorboard" in text and "jsonl" in text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_load_run_reads_both_formats(tmp_path, monkeypatch):
+    jsonl = report.load_run(write_file_run(tmp_path / "a.jsonl", monkeypatch, gap=0.02))
+    tb = report.load_run(write_tensorboard_run(tmp_path / "tb", monkeypatch, gap=0.02))
+    assert jsonl.kind == "jsonl" and tb.kind == "tensorboard"
+    assert jsonl.label == "a" and tb.label == "tb"
+    want = [(s, 0.02 * (1 + 0.1 * s)) for s in range(1, 7)]
+    for run_ in (jsonl, tb):
+        got = run_.series["mismatch/logp_abs_diff_mean"]
+        assert [s for s, _ in got] == [s for s, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)  # TB stores float32
+    # The NaN step (null in JSON) and the text value are skipped.
+    assert [s for s, _ in jsonl.series["mismatch/kl_k3"]] == [1, 2, 4, 5, 6]
+    assert "note" not in jsonl.series
+    assert all(math.isfinite(v) for pts in jsonl.series.values() for _, v in pts)
+
+
+def test_resumed_jsonl_keeps_the_last_value_per_step(tmp_path):
+    path = tmp_path / "resumed.jsonl"
+    path.write_text(
+        '{"step": 1, "data": {"mismatch/kl_k3": 0.5}}\n'
+        "not json\n"
+        '{"step": 2, "data": {"mismatch/kl_k3": 0.25}}\n'
+        '{"step": 2, "data": {"mismatch/kl_k3": 0.125}}\n'
+    )
+    assert report.load_run(path).series["mismatch/kl_k3"] == [(1, 0.5), (2, 0.125)]
+
+
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        ("missing", "does not exist"),
+        ("empty dir", "no verl metrics"),
+        ("empty file", "no verl metrics lines"),
+        ("two jsonl", "several JSONL files"),
+        ("no known keys", "none of the runs has a metric to plot"),
+        ("labels", "--labels has 1 names for 2 runs"),
+    ],
+)
+def test_bad_input_gives_clear_error(tmp_path, capsys, setup, words):
+    target = tmp_path / "run"
+    runs = [str(target)]
+    extra: list[str] = []
+    if setup == "empty dir":
+        target.mkdir()
+    elif setup == "empty file":
+        target = tmp_path / "run.jsonl"
+        target.write_text("")
+        runs = [str(target)]
+    elif setup == "two jsonl":
+        target.mkdir()
+        for name in ("a", "b"):
+            (target / f"{name}.jsonl").write_text('{"step": 1, "data": {"mismatch/kl_k3": 0.1}}\n')
+    elif setup == "no known keys":
+        target = tmp_path / "other.jsonl"
+        target.write_text('{"step": 1, "data": {"timing_s/step": 3.0}}\n')
+        runs = [str(target)]
+    elif setup == "labels":
+        target = tmp_path / "ok.jsonl"
+        target.write_text('{"step": 1, "data": {"mismatch/kl_k3": 0.1}}\n')
+        runs = [str(target), str(target)]
+        extra = ["--labels", "only-one"]
+    rc = call(*runs, "--out", str(tmp_path / "out"), *extra)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlalign-verl report: error:") and words in err
