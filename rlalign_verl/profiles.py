@@ -313,6 +313,9 @@ SGLANG = EngineProfile(
         "flashinfer-ai/flashinfer include/flashinfer/pos_enc.cuh @bc29697b vec_apply_llama_rope_cos_sin",
         "sgl-project/sglang python/sglang/kernels/aot/CMakeLists.txt (flashinfer pin; SM90 build with "
         "-use_fast_math, SM100 build precise)",
+        "sgl-project/sglang python/sglang/srt/models/utils.py apply_qk_norm (Qwen3 q/k-norm: JIT "
+        "fused_inplace_qknorm or RMSNorm, written to bf16 before RoPE; the fused qk-norm+RoPE kernel is "
+        "off by default, --enable-fused-qk-norm-rope)",
     ),
 )
 

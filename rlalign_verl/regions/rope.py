@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..profiles import RopeRounding
 from ._precision import fp32_math, rnd
 
@@ -57,6 +58,9 @@ class _RopeFn(torch.autograd.Function):
     def forward(ctx, x, c, s, rounding, out_dtype):  # type: ignore[override]
         ctx.save_for_backward(c, s)
         ctx.in_dtype = x.dtype
+        if kernels.available(x) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
+            if out_dtype in (torch.bfloat16, torch.float16):
+                return kernels.rope_forward(x, c, s, rounding.roundings, out_dtype)  # same formula, fused
         with fp32_math(x):
             return _rotate(x.float(), c, s, rounding, out_dtype)
 

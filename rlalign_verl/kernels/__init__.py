@@ -1,0 +1,61 @@
+"""Optional Triton forward kernels for the RoPE and SwiGLU regions (CUDA only).
+
+Each kernel computes exactly the rounding formula of the PyTorch region function
+(:mod:`rlalign_verl.regions`) in one pass, without the fp32 temporaries:
+
+* :func:`swiglu_forward` - ``R(silu(g) * u)`` / ``R(R(silu(g)) * u)``;
+* :func:`rope_forward` - ``R(x1*c - x2*s)`` / ``R(R(x1*c) - R(x2*s))`` and the second half.
+
+They are selected only on GPU (:func:`available`); the region functions stay the reference and own
+the backward. No RMSNorm kernel: the variance is a reduction, and no kernel reproduces the summation
+order of ``torch.sum``, so it could not be bit-equal to the PyTorch path.
+
+Bit-equality with the PyTorch path rests on: fp32 arithmetic without FMA contraction
+(``enable_fp_fusion=False``), IEEE division (``div_rn``), the same ``exp`` as PyTorch's CUDA
+``silu`` (libdevice ``expf``), and an explicit round-to-nearest-even to bf16 done on the bits (the
+Triton CPU interpreter truncates on ``.to(bfloat16)``; on GPUs both agree).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["available", "interpreter_active", "rope_forward", "swiglu_forward"]
+
+
+def interpreter_active() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(t: torch.Tensor) -> bool:
+    """True when the Triton path may be used for ``t``: Triton installed and ``t`` on a CUDA device.
+
+    Set ``RLALIGN_TRITON=0`` to force the PyTorch path.
+    """
+    if os.environ.get("RLALIGN_TRITON", "1") == "0" or not t.is_cuda:
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, roundings: int) -> torch.Tensor:
+    """SwiGLU forward in ``gate.dtype`` (bf16 or fp16); see :mod:`rlalign_verl.regions.swiglu`."""
+    from ._triton import swiglu_forward as impl
+
+    return impl(gate, up, roundings)
+
+
+def rope_forward(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, roundings: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, D]`` with fp32 ``cos, sin`` ``[B, 1, T, D]`` (or ``[B, T, D]``).
+
+    ``cos``/``sin`` are the values the rotation reads, already rounded when the profile's table is
+    bf16 (as :func:`rlalign_verl.regions.rope.apply_rope` prepares them). Returns ``out_dtype``.
+    """
+    from ._triton import rope_forward as impl
+
+    return impl(x, cos, sin, roundings, out_dtype)
