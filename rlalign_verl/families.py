@@ -79,7 +79,7 @@ def get_family(model_type: str) -> ModelFamily:
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported by rlalign-verl (supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}); run without alignment (alignment.regions=[]) or add "
-            f"a row for it to rlalign_verl/families.py"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); run without alignment (verl: alignment.regions=[]; OpenRLHF: "
+            f"--alignment.regions none) or add a row for it to rlalign_verl/families.py"
         )
     return FAMILIES[model_type]

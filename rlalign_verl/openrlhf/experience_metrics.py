@@ -1,0 +1,70 @@
+"""``mismatch/*`` metrics on OpenRLHF ``Experience`` objects, logged through OpenRLHF's own loggers.
+
+After ``RemoteExperienceMaker.make_experience_batch`` every experience holds the training side's
+recomputed log-probs (``action_log_probs``), the vLLM rollout log-probs (``rollout_log_probs``, present
+when vLLM was asked for them) and ``action_mask``. The metrics are computed once over *all*
+experiences of the step with :func:`rlalign_verl.metrics.compute_mismatch_metrics` and attached to
+each experience as a per-sample ``(B,)`` tensor in ``experience.info``.
+
+How OpenRLHF reduces them: ``PolicyModelActor.ppo_train`` treats every ``(B,)`` info tensor as a
+per-sample metric, takes the sample-weighted mean over micro-batches, epochs and data-parallel ranks
+(all-reduce) and logs it as ``train/<key>``. The plugin stores the step's statistic as the *same value
+for every sample*, so that mean is exactly the step's statistic, however OpenRLHF splits, shuffles,
+balances or drops samples: ``train/mismatch/logp_abs_diff_mean`` is the token mean over the whole step,
+``train/mismatch/ratio_max`` the step's maximum, ``train/mismatch/num_tokens`` the step's token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..metrics import compute_mismatch_metrics
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Right-pad ``(B_i, A_i)`` tensors with zeros to one width and concatenate them along dim 0."""
+    width = max(t.shape[1] for t in tensors)
+    rows = [torch.nn.functional.pad(t.detach().to("cpu", dtype), (0, width - t.shape[1])) for t in tensors]
+    return torch.cat(rows, dim=0)
+
+
+def step_mismatch_metrics(
+    experiences: Sequence[Any], *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2
+) -> dict[str, float] | None:
+    """The ``mismatch/*`` statistics over all ``experiences`` of one step.
+
+    ``None`` when no experience carries rollout log-probs (vLLM was not asked for them). Raises
+    ``ValueError`` when an experience's log-prob and mask shapes disagree.
+    """
+    usable = [
+        e
+        for e in experiences
+        if getattr(e, "rollout_log_probs", None) is not None and getattr(e, "action_log_probs", None) is not None
+    ]
+    if not usable:
+        return None
+    for e in usable:
+        shapes = {tuple(e.action_log_probs.shape), tuple(e.rollout_log_probs.shape), tuple(e.action_mask.shape)}
+        if len(shapes) != 1:
+            raise ValueError(
+                "experience log-prob shapes disagree: action_log_probs "
+                f"{tuple(e.action_log_probs.shape)}, rollout_log_probs {tuple(e.rollout_log_probs.shape)}, "
+                f"action_mask {tuple(e.action_mask.shape)}"
+            )
+    train = _pad_cat([e.action_log_probs for e in usable], torch.float32)
+    rollout = _pad_cat([e.rollout_log_probs for e in usable], torch.float32)
+    mask = _pad_cat([e.action_mask for e in usable], torch.float32)
+    return compute_mismatch_metrics(
+        train, rollout, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
+    )
+
+
+def attach_metrics(experiences: Sequence[Any], metrics: dict[str, float]) -> None:
+    """Store each metric in every experience's ``info`` as a constant ``(B,)`` float tensor."""
+    for e in experiences:
+        batch = int(e.sequences.shape[0])
+        for key, value in metrics.items():
+            e.info[key] = torch.full((batch,), float(value), dtype=torch.float32)

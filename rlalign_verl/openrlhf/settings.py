@@ -1,0 +1,229 @@
+"""The OpenRLHF plugin's settings: launcher flags in, env vars out (read back in every Ray worker).
+
+Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
+
+``--alignment.regions``  comma list of rope, swiglu, rmsnorm (or all / none). Default: none.
+``--alignment.engine``   auto | vllm | a profile name (vllm, vllm-eager, vllm-cpu, vllm-cpu-eager, sglang, hf).
+                         auto and vllm pick vllm or vllm-eager from OpenRLHF's ``--vllm.enforce_eager``
+                         (older flat name ``--enforce_eager``); any other name is used as given.
+``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
+``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the
+                         rollout log-probs without turning on OpenRLHF's IS correction (the loss is
+                         unchanged). Default false.
+``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import AlignmentError, LigerConflictError
+from ..profiles import get_profile
+from ..regions import normalize_regions
+
+ENV_REGIONS = "RLALIGN_REGIONS"
+ENV_ENGINE = "RLALIGN_ENGINE"
+ENV_METRICS = "RLALIGN_METRICS"
+ENV_COLLECT = "RLALIGN_COLLECT_ROLLOUT_LOGPROBS"
+ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT)
+
+FLAG_PREFIX = "--alignment."
+FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs")
+
+# OpenRLHF flags the plugin reads: the 0.10/0.11 dotted name first, then older flat names.
+ENFORCE_EAGER_FLAGS = ("--vllm.enforce_eager", "--enforce_eager")
+LIGER_FLAGS = ("--ds.use_liger_kernel", "--use_liger_kernel")
+IS_CORRECTION_LEVEL_FLAGS = ("--algo.advantage.is_correction_level",)
+IS_CORRECTION_SWITCH_FLAGS = ("--algo.advantage.is_correction_enable", "--enable_vllm_is_correction")
+VLLM_ENGINES_FLAGS = ("--vllm.num_engines", "--vllm_num_engines")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def parse_bool(value: Any, *, name: str = "value") -> bool:
+    """``true/false/1/0/yes/no/on/off`` (any case) or a bool; a clear error otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise AlignmentError(f"{name}={value!r} is not a boolean; use true or false")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the plugin does in every process of one OpenRLHF run."""
+
+    regions: tuple[str, ...] = ()
+    profile: str = "vllm"
+    metrics: bool = True
+    collect_rollout_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", normalize_regions(self.regions))
+        object.__setattr__(self, "profile", get_profile(self.profile).name)
+
+    def to_env(self) -> dict[str, str]:
+        """The env vars that carry these settings to the Ray workers."""
+        return {
+            ENV_REGIONS: ",".join(self.regions) or "none",
+            ENV_ENGINE: self.profile,
+            ENV_METRICS: "1" if self.metrics else "0",
+            ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
+        }
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings | None:
+        """The settings the launcher put in the environment, or ``None`` when it did not run."""
+        env = os.environ if environ is None else environ
+        if not any(k in env for k in ENV_VARS):
+            return None
+        return cls(
+            regions=normalize_regions(env.get(ENV_REGIONS, "none")),
+            profile=env.get(ENV_ENGINE, "vllm") or "vllm",
+            metrics=parse_bool(env.get(ENV_METRICS, "1"), name=ENV_METRICS),
+            collect_rollout_logprobs=parse_bool(env.get(ENV_COLLECT, "0"), name=ENV_COLLECT),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"regions={list(self.regions)} profile={self.profile} metrics={self.metrics} "
+            f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
+        )
+
+
+# --- reading OpenRLHF's own flags (left in argv for its parser) ----------------------------------
+
+
+def flag_value(argv: Sequence[str], names: Sequence[str]) -> str | bool | None:
+    """The value of the first of ``names`` found in ``argv``: its argument, ``True`` for a bare switch,
+    ``None`` when absent. Handles ``--flag value`` and ``--flag=value``; the last occurrence wins."""
+    found: str | bool | None = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name:
+                nxt = argv[i + 1] if i + 1 < len(argv) else None
+                found = nxt if nxt is not None and not nxt.startswith("--") else True
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    return found
+
+
+def switch_on(argv: Sequence[str], names: Sequence[str]) -> bool:
+    """Whether a ``store_true`` flag (any of ``names``) is given."""
+    value = flag_value(argv, names)
+    return value is not None and (value is True or parse_bool(value, name=names[0]))
+
+
+def rollout_logprobs_requested(argv: Sequence[str]) -> bool:
+    """Whether OpenRLHF itself collects rollout log-probs (its IS correction is on)."""
+    level = flag_value(argv, IS_CORRECTION_LEVEL_FLAGS)
+    if isinstance(level, str) and level.strip().lower() != "off":
+        return True
+    return switch_on(argv, IS_CORRECTION_SWITCH_FLAGS)
+
+
+def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
+    """The engine profile for ``--alignment.engine`` and why.
+
+    ``auto``/``vllm``: OpenRLHF always rolls out with vLLM on GPUs, so the compiled ``vllm`` profile, or
+    ``vllm-eager`` with ``--vllm.enforce_eager``. Any other profile name is taken as given.
+    """
+    name = str(engine).strip().lower()
+    if name in ("auto", "vllm"):
+        if enforce_eager:
+            return "vllm-eager", "vLLM with --vllm.enforce_eager (eager CUDA kernels)"
+        return "vllm", "vLLM without --vllm.enforce_eager (compiled graph)"
+    return get_profile(name).name, "given by --alignment.engine"
+
+
+def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
+    """Refuse Liger kernels together with alignment: both replace the same forwards."""
+    if regions and switch_on(argv, LIGER_FLAGS):
+        raise LigerConflictError(
+            "--ds.use_liger_kernel (older: --use_liger_kernel) replaces the RoPE/RMSNorm/SwiGLU forwards that "
+            f"alignment patches (--alignment.regions {','.join(regions)}); drop --ds.use_liger_kernel, or turn "
+            "alignment off with --alignment.regions none"
+        )
+
+
+# --- the launcher's own flags ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The launcher's parsed flags."""
+
+    settings: Settings
+    profile_reason: str
+    address: str | None
+    openrlhf_argv: list[str]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit(2)
+        raise AlignmentError(f"rlalign-verl OpenRLHF launcher: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m rlalign_verl.openrlhf.train_ppo_ray", add_help=False, allow_abbrev=False)
+    p.add_argument("--alignment.regions", dest="regions", default="none")
+    p.add_argument("--alignment.engine", dest="engine", default="auto")
+    p.add_argument("--alignment.metrics", dest="metrics", nargs="?", const="true", default="true")
+    p.add_argument(
+        "--alignment.collect_rollout_logprobs", dest="collect", nargs="?", const="true", default="false"
+    )
+    p.add_argument("--address", dest="address", default=None)
+    return p
+
+
+def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
+    """Split ``argv`` into the plugin's settings and OpenRLHF's own flags; validate the settings.
+
+    Raises ``UnknownRegionError``/``UnknownProfileError``/``LigerConflictError``/``AlignmentError``
+    (each naming the fix) before anything starts.
+    """
+    ns, rest = _parser().parse_known_args(list(argv))
+    unknown = [a for a in rest if a.startswith(FLAG_PREFIX)]
+    if unknown:
+        raise AlignmentError(
+            f"unknown flag(s) {unknown}; the plugin's flags are "
+            + ", ".join(FLAG_PREFIX + f for f in FLAGS)
+            + " (see python -m rlalign_verl.openrlhf.train_ppo_ray --help)"
+        )
+    regions = normalize_regions(ns.regions)
+    profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
+    check_liger(regions, rest)
+    settings = Settings(
+        regions=regions,
+        profile=profile,
+        metrics=parse_bool(ns.metrics, name="--alignment.metrics"),
+        collect_rollout_logprobs=parse_bool(ns.collect, name="--alignment.collect_rollout_logprobs"),
+    )
+    return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
+
+
+# --- reading OpenRLHF's parsed args in the workers ---------------------------------------------------
+
+
+def get_arg(args: Any, dotted: str, *flat: str, default: Any = None) -> Any:
+    """``args.<dotted>`` (OpenRLHF >= 0.10 hierarchical namespace), else the first flat name present."""
+    node = args
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            break
+    if node is not None:
+        return node
+    for name in flat:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+    return default

@@ -1,0 +1,261 @@
+"""``install()``: the plugin's patches in one OpenRLHF process (the driver or any Ray worker).
+
+The launcher passes :data:`HOOK` to Ray as ``worker_process_setup_hook``, so every task/actor worker of
+the job runs :func:`install` at start-up with the settings the launcher put in the env vars
+(:class:`~rlalign_verl.openrlhf.settings.Settings`); the launcher also calls it in the driver. It is
+idempotent and does, depending on the settings:
+
+- regions set: wraps ``openrlhf.models.actor.Actor.__init__``. OpenRLHF builds the policy, the reference
+  and the EMA model with this class (critic and reward models use another builder and stay as they
+  are); after the original ``__init__`` has loaded the HF model, and before DeepSpeed wraps it, the
+  model is aligned with :func:`rlalign_verl.patch.apply_alignment`. One log line per aligned model.
+  ``use_liger_kernel=True`` is refused (``LigerConflictError``).
+- metrics on: wraps ``RemoteExperienceMaker.make_experience_batch`` to add the ``mismatch/*`` metrics
+  (:mod:`rlalign_verl.openrlhf.experience_metrics`). Any failure there is a warning, never an error.
+- collect_rollout_logprobs on (measure-only): vLLM is asked for the sampled tokens' log-probs
+  (``SamplingParams(logprobs=1)``, ``logprobs_mode="processed_logprobs"``) even when OpenRLHF's IS
+  correction is off. The loss does not change: OpenRLHF's ``PolicyLoss`` reads ``rollout_log_probs``
+  only when ``--algo.advantage.is_correction_level`` is not ``off``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ..errors import LigerConflictError
+from ..verl.import_hooks import when_imported
+from .log import logger, warn_once
+from .settings import Settings, get_arg
+
+HOOK = "rlalign_verl.openrlhf.setup.install"
+"""The ``worker_process_setup_hook`` string the launcher hands to Ray."""
+
+_WRAPPED = "_rlalign_wrapped"
+_active: Settings | None = None
+
+# Modules that build vLLM SamplingParams for rollouts (0.11.x first; older releases built them in the
+# experience maker).
+_SAMPLING_MODULES = (
+    "openrlhf.trainer.ppo_utils.samples_generator",
+    "openrlhf.trainer.ppo_utils.experience_maker",
+)
+
+
+def active_settings() -> Settings | None:
+    """The settings :func:`install` last activated in this process (``None``: plugin inactive)."""
+    return _active
+
+
+def install(settings: Settings | None = None) -> Settings | None:
+    """Activate the plugin in this process; ``settings`` default to the launcher's env vars.
+
+    Without settings (the env vars are absent: not started by our launcher) this does nothing and
+    returns ``None``. Import-light: each patch is applied when its OpenRLHF module is imported (at
+    once if it already is), so a worker that never loads OpenRLHF's models pays nothing.
+    """
+    global _active
+    if settings is None:
+        settings = Settings.from_env()
+    if settings is None:
+        return None
+    _active = settings
+    if settings.regions:
+        when_imported("openrlhf.models.actor", _patch_actor)
+    if settings.metrics:
+        when_imported(
+            "openrlhf.trainer.ppo_utils.experience_maker", _guarded("the mismatch metrics", _patch_experience_maker)
+        )
+    if settings.collect_rollout_logprobs:
+        for name in _SAMPLING_MODULES:
+            when_imported(name, _guarded("collecting rollout log-probs", _patch_sampling_module))
+        when_imported("openrlhf.trainer.ray.vllm_engine", _guarded("collecting rollout log-probs", _patch_engine_module))
+    return settings
+
+
+def _guarded(what: str, fn: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+    def run(module: ModuleType) -> None:
+        try:
+            fn(module)
+        except Exception as exc:  # the metrics path never stops training
+            warn_once(f"could not set up {what} ({type(exc).__name__}: {exc}); training continues without it")
+
+    return run
+
+
+# --- alignment of the policy / reference / EMA Actor ---------------------------------------------
+
+
+def _caller_role() -> str:
+    """Which OpenRLHF model actor is building this ``Actor`` (for the log line)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            name = type(owner).__name__ if owner is not None else ""
+            if name.endswith("ModelActor"):
+                ema = "actor" in frame.f_locals and frame.f_code.co_name == "init_model_from_pretrained"
+                return f"{name} (EMA)" if ema else name
+            frame = frame.f_back
+        return "Actor"
+    finally:
+        del frame
+
+
+def align_actor(actor: Any, settings: Settings) -> Any:
+    """Align ``actor.model`` (an OpenRLHF ``Actor``'s HF model, LoRA-wrapped or not) in place."""
+    from ..patch import apply_alignment, get_alignment
+
+    model = actor.model
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    apply_alignment(hf_model, regions=settings.regions, engine=settings.profile)
+    state = get_alignment(hf_model)
+    logger.info(
+        "aligned %s for %s (pid %d): %s",
+        type(hf_model).__name__,
+        _caller_role(),
+        os.getpid(),
+        state.describe() if state is not None else "no change",
+    )
+    return hf_model
+
+
+def _patch_actor(module: ModuleType) -> None:
+    Actor = module.Actor
+    original = Actor.__init__
+    if getattr(original, _WRAPPED, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        settings = _active
+        if settings is None or not settings.regions:
+            original(self, *args, **kwargs)
+            return
+        try:
+            use_liger = signature.bind(self, *args, **kwargs).arguments.get("use_liger_kernel", False)
+        except TypeError:
+            use_liger = kwargs.get("use_liger_kernel", False)
+        if use_liger:
+            raise LigerConflictError(
+                "OpenRLHF builds this Actor with use_liger_kernel=True (--ds.use_liger_kernel), whose Liger "
+                "kernels replace the RoPE/RMSNorm/SwiGLU forwards that alignment patches; drop "
+                "--ds.use_liger_kernel or turn alignment off (--alignment.regions none)"
+            )
+        original(self, *args, **kwargs)
+        align_actor(self, settings)
+
+    setattr(__init__, _WRAPPED, True)
+    Actor.__init__ = __init__
+
+
+# --- mismatch metrics ------------------------------------------------------------------------------
+
+
+def _clip_range(args: Any) -> tuple[float, float]:
+    low_high = get_arg(args, "actor.eps_clip_low_high", "eps_clip_low_high")
+    if low_high is not None and len(low_high) == 2:
+        return float(low_high[0]), float(low_high[1])
+    eps = float(get_arg(args, "actor.eps_clip", "eps_clip", default=0.2))
+    return eps, eps
+
+
+def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
+    """Compute and attach the step's ``mismatch/*`` metrics; warn (never raise) on any failure."""
+    from .experience_metrics import attach_metrics, step_mismatch_metrics
+
+    try:
+        low, high = _clip_range(args)
+        metrics = step_mismatch_metrics(experiences, clip_ratio_low=low, clip_ratio_high=high)
+        if metrics is None:
+            warn_once(
+                "no rollout log-probs in the experiences, so no mismatch/* metrics: turn on "
+                "--alignment.collect_rollout_logprobs true (measure only, the loss is unchanged) or OpenRLHF's "
+                "IS correction (--algo.advantage.is_correction_level token)"
+            )
+            return None
+        attach_metrics(experiences, metrics)
+        return metrics
+    except Exception as exc:  # never stop training for a metric
+        warn_once(f"mismatch metrics skipped ({type(exc).__name__}: {exc})")
+        return None
+
+
+def _patch_experience_maker(module: ModuleType) -> None:
+    RemoteExperienceMaker = module.RemoteExperienceMaker
+    original = RemoteExperienceMaker.make_experience_batch
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def make_experience_batch(self, *args: Any, **kwargs: Any):
+        experiences = original(self, *args, **kwargs)
+        if _active is not None and _active.metrics:
+            add_step_metrics(experiences, getattr(self, "args", None) or self.strategy.args)
+        return experiences
+
+    setattr(make_experience_batch, _WRAPPED, True)
+    RemoteExperienceMaker.make_experience_batch = make_experience_batch
+
+
+# --- measure-only: rollout log-probs without IS correction ---------------------------------------
+
+
+def _collecting() -> bool:
+    return _active is not None and _active.collect_rollout_logprobs
+
+
+def sampling_params_with_logprobs(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``SamplingParams`` constructor: while measure-only is on, ``logprobs=None`` becomes ``1``."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if _collecting() and kwargs.get("logprobs") is None and not args:
+            kwargs["logprobs"] = 1
+        return factory(*args, **kwargs)
+
+    setattr(build, _WRAPPED, True)
+    return build
+
+
+def engines_with_logprobs_mode(create: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``create_vllm_engines``: while measure-only is on, vLLM returns processed (temperature-applied)
+    log-probs (``logprobs_mode="processed_logprobs"``, what OpenRLHF asks for with IS correction)."""
+    signature = inspect.signature(create)
+
+    @functools.wraps(create)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if _collecting() and "logprobs_mode" in signature.parameters:
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("logprobs_mode") is None:
+                bound.arguments["logprobs_mode"] = "processed_logprobs"
+            return create(*bound.args, **bound.kwargs)
+        return create(*args, **kwargs)
+
+    setattr(wrapped, _WRAPPED, True)
+    return wrapped
+
+
+def _patch_sampling_module(module: ModuleType) -> None:
+    factory = getattr(module, "SamplingParams", None)
+    if factory is not None and not getattr(factory, _WRAPPED, False):
+        module.SamplingParams = sampling_params_with_logprobs(factory)
+
+
+def _patch_engine_module(module: ModuleType) -> None:
+    create = module.create_vllm_engines
+    if getattr(create, _WRAPPED, False):
+        return
+    wrapped = engines_with_logprobs_mode(create)
+    module.create_vllm_engines = wrapped
+    # openrlhf.trainer.ray re-exports it (``from .vllm_engine import create_vllm_engines``), and
+    # train_ppo_ray imports it from there; if the package finished importing already, rebind it too.
+    package = sys.modules.get("openrlhf.trainer.ray")
+    if package is not None and getattr(package, "create_vllm_engines", None) is create:
+        package.create_vllm_engines = wrapped
