@@ -1,0 +1,1 @@
+"""Hydra configs shipped with rlalign-verl (``pkg://rlalign_verl.configs``)."""

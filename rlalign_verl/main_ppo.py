@@ -1,0 +1,28 @@
+"""``python -m rlalign_verl.main_ppo <verl overrides> alignment.regions=[rope]``.
+
+verl's PPO/GRPO entry point with our primary config (verl's ``ppo_trainer`` + the ``alignment``
+group). The alignment settings are validated on the driver first; then verl's own ``main`` body runs
+unchanged (device choice, verl's validation, ``run_ppo`` with verl's TaskRunner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+
+from .verl.config import validate_config
+
+
+@hydra.main(config_path="configs", config_name="rlalign_ppo_trainer", version_base=None)
+def main(config: Any) -> None:
+    """Validate the alignment settings, then run verl's ``main_ppo.main`` on the same config."""
+    validate_config(config)
+    from verl.trainer import main_ppo as verl_main_ppo
+
+    # verl's hydra-decorated main; __wrapped__ is its plain body (functools.wraps in hydra.main).
+    verl_main_ppo.main.__wrapped__(config)
+
+
+if __name__ == "__main__":
+    main()

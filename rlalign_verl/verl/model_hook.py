@@ -1,0 +1,131 @@
+"""Worker side: patch the actor's and ref's HF model where verl's FSDP engine builds it.
+
+``FSDPEngine._build_module`` (``verl/workers/engine/fsdp/transformer_impl.py``) returns the HF model
+after ``from_pretrained``, Liger, verl's ``apply_monkey_patch`` (attention / remove-padding /
+Ulysses), the dtype cast and gradient checkpointing, and before LoRA, QAT and FSDP1/FSDP2 wrapping.
+Wrapping that one method therefore patches every FSDP build. The per-model switch is the pair of
+attributes the driver put on the HF config through ``actor_rollout_ref.model.override_config``;
+the critic's config never gets them, so the critic is left alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from ..errors import AlignmentError
+from .config import ENGINE_KEY, REGIONS_KEY
+from .log import logger
+
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_WRAPPED = "_rlalign_wrapped"
+
+
+def requested_alignment(module: Any) -> tuple[tuple[str, ...], str] | None:
+    """``(regions, profile)`` asked for on ``module.config``; None when nothing is requested."""
+    from ..regions import normalize_regions
+
+    cfg = getattr(module, "config", None)
+    raw = getattr(cfg, REGIONS_KEY, None)
+    if raw is None:
+        return None
+    if hasattr(raw, "__iter__") and not isinstance(raw, str):
+        raw = [str(r) for r in raw]
+    regions = normalize_regions(raw)
+    if not regions:
+        return None
+    engine = str(getattr(cfg, ENGINE_KEY, None) or "auto").strip().lower()
+    if engine == "auto":
+        import torch
+
+        engine = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+        logger.warning(
+            "%s=auto reached the worker (the driver did not resolve it: was validation skipped?); using the "
+            "device default profile %s",
+            ENGINE_KEY,
+            engine,
+        )
+    return regions, engine
+
+
+def _rank() -> int | None:
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # pragma: no cover - informational only
+        return None
+
+
+def align_module(module: Any, *, role: str | None = None) -> Any:
+    """Apply the alignment requested on ``module.config`` to ``module`` (in place); log one line.
+
+    A requested alignment that cannot be applied raises (the run must not go on silently unaligned).
+    """
+    wanted = requested_alignment(module)
+    if wanted is None:
+        return module
+    regions, engine = wanted
+    name = type(module).__name__
+    where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
+    try:
+        from ..patch import apply_alignment, get_alignment
+
+        apply_alignment(module, regions=regions, engine=engine)
+        state = get_alignment(module)
+    except Exception as err:
+        logger.error(
+            "FAILED to align %s (%s) with regions=%s profile=%s: %s", name, where, regions, engine, err
+        )
+        raise
+    if state is None or tuple(state.regions) != tuple(regions):
+        msg = f"alignment of {name} ({where}) did not take effect: asked {regions}/{engine}, got {state}"
+        logger.error(msg)
+        raise AlignmentError(msg)
+    logger.info(
+        "aligned %s (%s): regions=%s profile=%s", name, where, ",".join(state.regions), state.profile.name
+    )
+    return module
+
+
+def strip_flags(*configs: Any) -> None:
+    """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
+    for cfg in configs:
+        for key in (REGIONS_KEY, ENGINE_KEY):
+            if cfg is not None and key in getattr(cfg, "__dict__", {}):
+                delattr(cfg, key)
+
+
+def _role(engine: Any) -> str:
+    model_type = getattr(getattr(engine, "model_config", None), "model_type", None)
+    if model_type == "value_model":
+        return "critic"
+    forward_only = bool(getattr(getattr(engine, "engine_config", None), "forward_only", False))
+    return "ref" if forward_only else "actor"
+
+
+def wrap_fsdp_engine(engine_module: ModuleType) -> None:
+    """Wrap ``FSDPEngine._build_module`` in verl's FSDP engine module (idempotent)."""
+    cls = getattr(engine_module, "FSDPEngine", None)
+    build = getattr(cls, "_build_module", None)
+    if build is None:
+        logger.error(
+            "verl's %s has no FSDPEngine._build_module (verl version changed?): alignment cannot be applied",
+            engine_module.__name__,
+        )
+        return
+    if getattr(build, _WRAPPED, False):
+        return
+
+    @functools.wraps(build)
+    def _build_module(self: Any, *args: Any, **kwargs: Any) -> Any:
+        module = build(self, *args, **kwargs)
+        try:
+            return align_module(module, role=_role(self))
+        finally:
+            hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+            strip_flags(getattr(module, "config", None), hf_config)
+
+    setattr(_build_module, _WRAPPED, True)
+    cls._build_module = _build_module

@@ -1,0 +1,79 @@
+"""The ``verl.plugins`` entry point (loaded by ``import verl`` in every verl process).
+
+It installs post-import hooks only; nothing happens until verl imports the modules they watch:
+
+- ``verl.utils.config``: verl's ``validate_config`` also runs our driver-side validation, so verl's
+  own entry point (``python -m verl.trainer.main_ppo ... +alignment=default``) validates too;
+- ``verl.workers.engine.fsdp.transformer_impl``: ``FSDPEngine._build_module`` aligns the actor and
+  ref models before LoRA / FSDP wrapping (see :mod:`rlalign_verl.verl.model_hook`);
+- the trainer modules named by ``rlalign_verl.verl.trainer_callback.TRAINER_MODULES``: the mismatch
+  metrics callback is installed.
+
+verl swallows exceptions raised while loading a plugin, so failures that matter are raised later,
+where the alignment is applied.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any
+
+from .import_hooks import when_imported
+from .log import logger
+
+LOADED = False
+"""Set once :func:`install` has run (tests check it after a fresh ``import verl``)."""
+
+VERL_CONFIG_MODULE = "verl.utils.config"
+_WRAPPED = "_rlalign_wrapped"
+
+
+def _wrap_validate_config(module: ModuleType) -> None:
+    original = getattr(module, "validate_config", None)
+    if original is None or getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def validate_config(config: Any, *args: Any, **kwargs: Any) -> Any:
+        from .config import validate_config as validate_alignment
+
+        validate_alignment(config)  # ours first: alignment errors before anything else
+        return original(config, *args, **kwargs)
+
+    setattr(validate_config, _WRAPPED, True)
+    module.validate_config = validate_config
+
+
+def _wrap_engine(module: ModuleType) -> None:
+    from .model_hook import wrap_fsdp_engine
+
+    wrap_fsdp_engine(module)
+
+
+def _install_trainer_hooks() -> None:
+    try:
+        trainer_callback = importlib.import_module(f"{__package__}.trainer_callback")
+    except ImportError as err:
+        if getattr(err, "name", None) != f"{__package__}.trainer_callback":
+            logger.error("cannot load the metrics callback: %s", err)
+        return
+    for name in getattr(trainer_callback, "TRAINER_MODULES", ()):
+        when_imported(name, trainer_callback.install_trainer_callback)
+
+
+def install() -> None:
+    """Register the post-import hooks (idempotent)."""
+    global LOADED
+    if LOADED:
+        return
+    from .model_hook import ENGINE_MODULE
+
+    when_imported(VERL_CONFIG_MODULE, _wrap_validate_config)
+    when_imported(ENGINE_MODULE, _wrap_engine)
+    _install_trainer_hooks()
+    LOADED = True
+
+
+install()

@@ -1,0 +1,379 @@
+"""The ``verl.plugins`` entry point and the worker-side hook in verl's own FSDP engine (CPU).
+
+The engine test runs this file as a script in a fresh process (``python test_verl_plugin.py engine``):
+verl resolves its platform once per process, so the CPU platform shim must not leak into other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env or ENV,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+# --- plugin loading --------------------------------------------------------------------------------
+
+
+@pytest.mark.verl
+def test_import_verl_loads_plugin_through_entry_point():
+    pytest.importorskip("verl")
+    code = """
+        import json, sys
+        import verl
+        from importlib.metadata import entry_points
+        eps = [(ep.name, ep.value) for ep in entry_points(group="verl.plugins")]
+        plugin = sys.modules.get("rlalign_verl.verl.plugin")
+        import verl.utils.config as vc
+        print(json.dumps({
+            "eps": eps,
+            "loaded": bool(plugin and plugin.LOADED),
+            "validate_wrapped": getattr(vc.validate_config, "_rlalign_wrapped", False),
+            "engine_imported": "verl.workers.engine" in sys.modules,
+        }))
+    """
+    info = json.loads(_run(code).stdout.strip().splitlines()[-1])
+    assert ["rlalign_verl", "rlalign_verl.verl.plugin"] in info["eps"]
+    assert info["loaded"] is True
+    assert info["validate_wrapped"] is True
+    assert info["engine_imported"] is False  # the plugin must not resolve verl's platform early
+
+    off = json.loads(
+        _run(code, env=dict(ENV, VERL_USE_EXTERNAL_PLUGINS="none")).stdout.strip().splitlines()[-1]
+    )
+    assert off["loaded"] is False and off["validate_wrapped"] is False
+
+
+def test_plugin_import_is_light():
+    """Inference servers load the plugin too: it must not pull in torch, transformers or verl."""
+    code = """
+        import sys
+        import rlalign_verl.verl.plugin as p
+        heavy = [m for m in ("torch", "transformers", "verl", "omegaconf", "hydra") if m in sys.modules]
+        print(p.LOADED, heavy)
+    """
+    assert _run(code).stdout.strip() == "True []"
+
+
+# --- post-import hooks ------------------------------------------------------------------------------
+
+
+def test_when_imported_fires_after_module_body(tmp_path, monkeypatch):
+    from rlalign_verl.verl.import_hooks import pending, when_imported
+
+    pkg = tmp_path / "rlv_hook_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "target.py").write_text("VALUE = 41\ndef f():\n    return VALUE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def bump(module):
+        seen.append(module.__name__)
+        module.VALUE += 1  # the module body has run: its globals exist
+
+    when_imported("rlv_hook_pkg.target", bump)
+    assert pending("rlv_hook_pkg.target")
+    import importlib
+
+    mod = importlib.import_module("rlv_hook_pkg.target")
+    assert seen == ["rlv_hook_pkg.target"] and mod.f() == 42
+    assert not pending("rlv_hook_pkg.target")
+    assert mod.__spec__.loader.get_source("rlv_hook_pkg.target").startswith("VALUE = 41")
+    # already imported: runs at once, and only for this registration
+    when_imported("rlv_hook_pkg.target", bump)
+    assert seen == ["rlv_hook_pkg.target"] * 2 and mod.f() == 43
+    importlib.reload(mod)
+    assert mod.f() == 41
+    for name in ("rlv_hook_pkg.target", "rlv_hook_pkg"):
+        sys.modules.pop(name, None)
+
+
+# --- worker side: the per-model gate --------------------------------------------------------------
+
+
+@pytest.fixture
+def qwen2_path(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("qwen2"))
+
+
+def _hf_model(path: str, **flags):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
+    for key, value in flags.items():  # what verl's update_model_config does with override_config
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype="bfloat16")
+
+
+def test_align_module_gates_on_config_flags(qwen2_path, caplog):
+    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.verl.log import logger
+    from rlalign_verl.verl.model_hook import align_module
+
+    plain = _hf_model(qwen2_path)
+    assert align_module(plain, role="critic") is plain and get_alignment(plain) is None
+    off = _hf_model(qwen2_path, rlalign_regions=[], rlalign_engine="vllm")
+    assert get_alignment(align_module(off, role="actor")) is None
+
+    model = _hf_model(qwen2_path, rlalign_regions=["swiglu", "rope"], rlalign_engine="vllm-cpu-eager")
+    logger.propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger="rlalign_verl.verl"):
+            align_module(model, role="actor")
+    finally:
+        logger.propagate = False
+    st = get_alignment(model)
+    assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager"
+    assert "aligned Qwen2ForCausalLM (role=actor): regions=rope,swiglu profile=vllm-cpu-eager" in caplog.text
+
+
+def test_align_module_fails_loudly(qwen2_path):
+    from rlalign_verl.errors import UnknownProfileError, UnknownRegionError
+    from rlalign_verl.verl.model_hook import align_module
+
+    with pytest.raises(UnknownProfileError):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="trt"), role="actor")
+    with pytest.raises(UnknownRegionError):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["gelu"], rlalign_engine="vllm"), role="actor")
+
+
+# --- worker side: verl's own FSDP engine on CPU -----------------------------------------------------
+
+ENGINE_CASES = {
+    # name: (strategy, use_remove_padding, gradient checkpointing, lora_rank)
+    "fsdp2-rmpad-gc": ("fsdp2", True, True, 0),
+    "fsdp1-pad": ("fsdp", False, False, 0),
+    "fsdp2-lora": ("fsdp2", True, True, 4),
+}
+
+
+@pytest.mark.verl
+def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
+    pytest.importorskip("verl")
+    out = subprocess.run(
+        [sys.executable, __file__, "engine", qwen2_path],
+        capture_output=True,
+        text=True,
+        env=dict(ENV, VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VERL_LOGGING_LEVEL="WARNING"),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for case in ENGINE_CASES:
+        r = results[case]
+        assert r["actor"] == {"regions": ["rope", "swiglu", "rmsnorm"], "profile": "vllm-cpu"}, (case, r)
+        assert r["ref"] == {"regions": ["rope", "swiglu", "rmsnorm"], "profile": "vllm-cpu"}, (case, r)
+        assert r["critic"] is None, (case, r)
+        # the aligned forward really runs inside the FSDP-wrapped actor: removing it changes the logits
+        assert r["actor_logits_change_when_removed"] > 0, (case, r)
+        assert r["actor_logits_finite"], (case, r)
+        assert r["flags_left"] == [], (case, r)
+    # one log line per aligned model, naming role, regions and profile
+    lines = [ln for ln in out.stderr.splitlines() if "[rlalign-verl]" in ln and "aligned" in ln]
+    assert len(lines) == 2 * len(ENGINE_CASES), out.stderr[-3000:]
+    assert any(
+        "aligned Qwen2ForCausalLM (role=actor, rank 0): regions=rope,swiglu,rmsnorm profile=vllm-cpu" in ln
+        for ln in lines
+    )
+    assert any("(role=ref, rank 0)" in ln for ln in lines)
+
+
+def _engine_child(model_path: str) -> None:
+    """Build actor, ref and critic with verl's EngineRegistry/FSDPEngine on CPU (shims: see docs/verl.md)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import verl  # noqa: F401  (loads our plugin through verl.plugins)
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    @PlatformRegistry.register(platform="cpu")
+    class CPUPlatform(PlatformBase):  # shim 1: a CPU platform (VERL_PLATFORM=cpu)
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, i):
+            pass
+
+        def synchronize(self, i=None):
+            pass
+
+        def manual_seed(self, s):
+            torch.manual_seed(s)
+
+        def manual_seed_all(self, s):
+            torch.manual_seed(s)
+
+        def set_allocator_settings(self, s):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def get_device_capability(self, i=0):
+            return (None, None)
+
+        def cudart(self):
+            return None
+
+        def is_ipc_supported(self):
+            return False
+
+        def nvtx_range(self, msg):
+            return contextlib.nullcontext()
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_noset_envvars(self):
+            return []
+
+        def ray_resource_name(self):
+            return "GPU"
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(29500 + os.getpid() % 1000),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    dist.init_process_group("gloo", world_size=1, rank=0)  # shim 3 (shim 2: VERL_ENGINE_DEVICE=cuda)
+
+    import verl.workers.engine.fsdp.transformer_impl as impl
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    from rlalign_verl.patch import apply_alignment, get_alignment, remove_alignment
+
+    # CPU-only tweaks of values verl hardcodes for GPUs: no pinned memory, no rank-0 broadcast.
+    class _UnpinnedOffload(impl.CPUOffloadPolicy):
+        def __init__(self, pin_memory: bool = True):
+            super().__init__(pin_memory=False)
+
+    impl.CPUOffloadPolicy = _UnpinnedOffload
+
+    class _FSDP1OnCPU(impl.FSDP):
+        def __init__(self, module, **kwargs):
+            kwargs.update(sync_module_states=False)
+            super().__init__(module, **kwargs)
+
+    impl.FSDP = _FSDP1OnCPU
+    import verl.utils.model as verl_model
+    from transformers import AutoModelForTokenClassification
+
+    def _value_model_sdpa(local_path, torch_dtype, model_config, trust_remote_code):
+        # verl asks for flash_attention_2 here, which needs a GPU; everything else as verl does it
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path,
+            dtype=torch_dtype,
+            config=model_config,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+
+    verl_model.load_valuehead_model = _value_model_sdpa
+
+    alignment = {"rlalign_regions": ["rope", "swiglu", "rmsnorm"], "rlalign_engine": "vllm-cpu"}
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def build(model_type, override, forward_only, strategy, rmpad, gc, lora):
+        mc = HFModelConfig(
+            path=model_path,
+            override_config={"attn_implementation": "sdpa", **override},
+            use_remove_padding=rmpad,
+            enable_gradient_checkpointing=gc,
+            lora_rank=lora if model_type == "language_model" and not forward_only else 0,
+        )
+        mc.model_type = model_type
+        ec = FSDPEngineConfig(strategy=strategy, forward_only=forward_only, use_torch_compile=False)
+        ec.use_remove_padding = rmpad
+        opt = None if forward_only else FSDPOptimizerConfig(lr=1e-5, total_training_steps=1)
+        engine = EngineRegistry.new(
+            model_type,
+            strategy,
+            model_config=mc,
+            engine_config=ec,
+            optimizer_config=opt,
+            checkpoint_config=CheckpointConfig(),
+        )
+        engine.initialize()
+        return engine
+
+    def state(engine):
+        st = get_alignment(engine.module)
+        return None if st is None else {"regions": list(st.regions), "profile": st.profile.name}
+
+    results = {}
+    for case, (strategy, rmpad, gc, lora) in ENGINE_CASES.items():
+        actor = build("language_model", alignment, False, strategy, rmpad, gc, lora)
+        ref = build("language_model", alignment, True, strategy, rmpad, gc, 0)
+        # the critic's model config is its own (critic.model.override_config): no alignment keys
+        critic = build("value_model", {}, False, strategy, rmpad, gc, 0)
+        actor.module.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            aligned_logits = actor.module(input_ids=ids).logits.float()
+            st = get_alignment(actor.module)
+            remove_alignment(actor.module)
+            plain_logits = actor.module(input_ids=ids).logits.float()
+            apply_alignment(actor.module, regions=st.regions, engine=st.profile)
+        results[case] = {
+            "actor": state(actor),
+            "ref": state(ref),
+            "critic": state(critic),
+            "actor_logits_change_when_removed": float((aligned_logits - plain_logits).abs().max()),
+            "actor_logits_finite": bool(torch.isfinite(aligned_logits).all()),
+            # read once, then removed: saved HF checkpoints must not carry the switch
+            "flags_left": [
+                key
+                for e in (actor, ref)
+                for key in ("rlalign_regions", "rlalign_engine")
+                if hasattr(e.model_config.hf_config, key)
+            ],
+        }
+        del actor, ref, critic
+    print(json.dumps(results))
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "engine":
+    _engine_child(sys.argv[2])
