@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-import sys
+from ..log import visible_logger
 
-logger = logging.getLogger("rlalign_verl.openrlhf")
-if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("[rlalign-verl] %(levelname)s %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger = visible_logger("rlalign_verl.openrlhf")
 
 _warned: set[str] = set()
 

@@ -1,14 +1,7 @@
-"""The plugin's logger: always visible at INFO, whatever verl sets on the root logger."""
+"""The verl plugin's logger: always visible at INFO, whatever verl sets on the root logger."""
 
 from __future__ import annotations
 
-import logging
-import sys
+from ..log import visible_logger
 
-logger = logging.getLogger("rlalign_verl.verl")
-if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("[rlalign-verl] %(levelname)s %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger = visible_logger("rlalign_verl.verl")

@@ -16,12 +16,10 @@ where the alignment is applied.
 from __future__ import annotations
 
 import functools
-import importlib
 from types import ModuleType
 from typing import Any
 
 from .import_hooks import when_imported
-from .log import logger
 
 LOADED = False
 """Set once :func:`install` has run (tests check it after a fresh ``import verl``)."""
@@ -53,13 +51,9 @@ def _wrap_engine(module: ModuleType) -> None:
 
 
 def _install_trainer_hooks() -> None:
-    try:
-        trainer_callback = importlib.import_module(f"{__package__}.trainer_callback")
-    except ImportError as err:
-        if getattr(err, "name", None) != f"{__package__}.trainer_callback":
-            logger.error("cannot load the metrics callback: %s", err)
-        return
-    for name in getattr(trainer_callback, "TRAINER_MODULES", ()):
+    from . import trainer_callback
+
+    for name in trainer_callback.TRAINER_MODULES:
         when_imported(name, trainer_callback.install_trainer_callback)
 
 
