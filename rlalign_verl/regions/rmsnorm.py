@@ -73,11 +73,15 @@ class _RmsNormFn(torch.autograd.Function):
 class _AddRmsNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, residual, weight, eps, rounding, round_residual):  # type: ignore[override]
-        ctx.save_for_backward(h, residual, weight)
         ctx.eps, ctx.rounding = eps, rounding
+        ctx.h_dtype, ctx.r_dtype = h.dtype, residual.dtype
         dtype = h.dtype
         with fp32_math(h):
             s = h.float() + residual.float()  # the fp32 sum every fused add+norm forms
+        # backward needs only s: saving it (4 B/element) rather than h and the residual keeps neither the
+        # packed layer input (h is a view of it) nor the fp32 residual alive
+        ctx.save_for_backward(s, weight)
+        with fp32_math(h):
             s_r = rnd(s, dtype)
             var_src = s if rounding.variance is Source.FP32_SUM else s_r
             norm_src = s if rounding.normalize is Source.FP32_SUM else s_r
@@ -90,14 +94,13 @@ class _AddRmsNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, g_res):  # type: ignore[override]
-        h, residual, weight = ctx.saved_tensors
+        s, weight = ctx.saved_tensors
         with fp32_math(gy):
-            s = h.float() + residual.float()
             rt = _rsqrt_mean_sq(s, ctx.eps, ctx.rounding.mean)
             ds, gw = _norm_backward(s, rt, weight.float(), gy.float())
             if g_res is not None:
                 ds = ds + g_res.float()
-        return ds.to(h.dtype), ds.to(residual.dtype), _reduce_to_weight(gw, weight), None, None, None
+        return ds.to(ctx.h_dtype), ds.to(ctx.r_dtype), _reduce_to_weight(gw, weight), None, None, None
 
 
 def rms_norm(

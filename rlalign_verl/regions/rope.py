@@ -48,7 +48,12 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rounding: RopeRou
         # fused kernels (vLLM rotary_embedding / Inductor / SGLang): fp32 rotation, one rounding below.
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    return torch.cat((o1, o2), dim=-1).to(out_dtype)
+    # written in x's memory layout (q/k are transposed views of the projection output, as in HF), so that
+    # SDPA's output needs no transpose copy before o_proj
+    out = torch.empty_like(x, dtype=out_dtype)
+    out[..., :half] = o1
+    out[..., half:] = o2
+    return out
 
 
 class _RopeFn(torch.autograd.Function):
@@ -60,9 +65,9 @@ class _RopeFn(torch.autograd.Function):
         ctx.in_dtype = x.dtype
         if kernels.available(x) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
             if out_dtype in (torch.bfloat16, torch.float16):
-                return kernels.rope_forward(x, c, s, rounding.roundings, out_dtype)  # same formula, fused
+                return kernels.rope_forward(x, c.float(), s.float(), rounding.roundings, out_dtype)  # same formula, fused
         with fp32_math(x):
-            return _rotate(x.float(), c, s, rounding, out_dtype)
+            return _rotate(x.float(), c.float(), s.float(), rounding, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -72,6 +77,7 @@ class _RopeFn(torch.autograd.Function):
             half = g.shape[-1] // 2
             g1, g2 = g[..., :half], g[..., half:]
             # d out1/d x1 = c1, d out2/d x1 = s2; d out1/d x2 = -s1, d out2/d x2 = c2 (roundings: straight-through)
+            c, s = c.float(), s.float()
             dx1 = g1 * c[..., :half] + g2 * s[..., half:]
             dx2 = g2 * c[..., half:] - g1 * s[..., :half]
             dx = torch.cat((dx1, dx2), dim=-1).to(ctx.in_dtype)
@@ -98,8 +104,9 @@ def apply_rope(
     out_dtype = out_dtype or q.dtype
     with fp32_math(cos):
         if rounding.table == "bf16":
-            # engine's cos_sin_cache: fp32 math, stored in the model dtype.
-            c, s = rnd(cos, out_dtype), rnd(sin, out_dtype)
+            # engine's cos_sin_cache: fp32 math, stored in the model dtype (HF's table already is: no copy,
+            # and the one table is shared by every layer instead of an fp32 copy saved per layer)
+            c, s = cos.to(out_dtype), sin.to(out_dtype)
         else:
             if cos.dtype != torch.float32:
                 raise ValueError("an fp32-table RoPE profile needs the unrounded fp32 table (rope_table)")

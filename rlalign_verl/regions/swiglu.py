@@ -24,18 +24,23 @@ class _SwigluFn(torch.autograd.Function):
             if roundings == 2:
                 # eager act_and_mul (HF act_fn(gate) * up; vLLM CUDA kernel): silu output stored in bf16.
                 a = rnd(a, dtype)
-            # the product is rounded once into the output buffer (every path).
-            return (a * up.float()).to(dtype)
+            # the product is rounded once into the output buffer (every path); in place: no fp32 copy of
+            # up (a bf16 operand is widened exactly inside the multiply)
+            return a.mul_(up).to(dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         gate, up = ctx.saved_tensors
         with fp32_math(grad):
-            g, u, go = gate.float(), up.float(), grad.float()
+            # same operations in the same order as go*g*sig and go*u*sig*(1 + g*(1 - sig)), but in place:
+            # 3 fp32 [T, I] buffers live instead of ~9 (on CPU every fresh buffer also costs page faults)
+            g, go = gate.float(), grad.to(torch.float32, copy=True)  # go is updated in place below
             sig = torch.sigmoid(g)
-            d_up = go * g * sig
-            d_gate = go * u * sig * (1.0 + g * (1.0 - sig))
-        return d_gate.to(gate.dtype), d_up.to(up.dtype), None
+            d_up = torch.mul(go, g).mul_(sig).to(up.dtype)  # (go*g)*sig
+            t = torch.rsub(sig, 1.0).mul_(g).add_(1.0)  # 1 + g*(1 - sig)
+            del g
+            d_gate = go.mul_(up).mul_(sig).mul_(t)  # ((go*u)*sig)*t
+        return d_gate.to(gate.dtype), d_up, None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, rounding: SwigluRounding) -> torch.Tensor:
