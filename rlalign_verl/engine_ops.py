@@ -82,7 +82,12 @@ def rms_norm(
 
 @torch.no_grad()
 def rms_norm_chain(
-    hs: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float, *, compiled: bool = False
+    hs: list[torch.Tensor],
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    compiled: bool = False,
 ) -> list[torch.Tensor]:
     """Consecutive ``fused_add_rms_norm`` calls feeding each residual into the next, as in a model.
 
@@ -152,3 +157,176 @@ def rope(
 
     fn = _compiled(RotaryEmbedding.forward_static)
     return fn(positions, q, k, head_size, head_size, mod.cos_sin_cache, True)
+
+
+# --- the floor: a HF model whose three regions run the engine's own ops ------------------------
+#
+# The decoder is re-wired the way vLLM runs it (``(hidden, residual)`` stream, the add inside the next
+# norm, fused gate/up activation, RoPE on ``[tokens, heads * head_dim]``), but every matmul, the
+# attention, the embedding, lm_head and log-softmax stay HF's own (bf16, sdpa): the gap this model
+# leaves against the engine is the part no region alignment can remove. ``compiled=True`` compiles the
+# whole decoder stack as ONE Inductor graph with the CPU platform's options, as the engine does, with
+# the matmuls and attention as opaque ops (the engine's are opaque too: oneDNN GEMMs and its attention
+# op), so Inductor decides where the regions round exactly as in the engine (fp32 residual stream,
+# q/k-norm fused into RoPE).
+
+_FLOOR_OPS: dict[str, object] = {}
+
+
+def _floor_custom_ops():
+    """``rlalign::hf_linear`` / ``rlalign::hf_sdpa``: HF's kernels, opaque to Dynamo/Inductor."""
+    if _FLOOR_OPS:
+        return _FLOOR_OPS["linear"], _FLOOR_OPS["sdpa"]
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    @torch.library.custom_op("rlalign::hf_linear", mutates_args=())
+    def hf_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @hf_linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    class _Stub(torch.nn.Module):
+        is_causal = True
+
+        def __init__(self, groups: int) -> None:
+            super().__init__()
+            self.num_key_value_groups = groups
+
+    @torch.library.custom_op("rlalign::hf_sdpa", mutates_args=())
+    def hf_sdpa(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, groups: int
+    ) -> torch.Tensor:
+        # q [1, heads, T, d], k/v [1, kv_heads, T, d] -> [1, T, heads, d]: exactly HF's sdpa path (no mask)
+        out, _ = sdpa_attention_forward(_Stub(groups), q, k, v, None, dropout=0.0, scaling=scaling)
+        return out
+
+    @hf_sdpa.register_fake
+    def _(q, k, v, scaling, groups):
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+
+    _FLOOR_OPS["linear"], _FLOOR_OPS["sdpa"] = hf_linear, hf_sdpa
+    return hf_linear, hf_sdpa
+
+
+@functools.cache
+def _rope_for(head_size: int, max_position: int, rope_items: tuple, dtype: torch.dtype):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(
+            head_size,
+            max_position=max_position,
+            is_neox_style=True,
+            rope_parameters=dict(rope_items),
+            dtype=dtype,
+        )
+
+
+def _rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
+
+
+class EngineFloor:
+    """Forward of a HF Qwen2/Qwen3/Llama ``*ForCausalLM`` with the regions run by the engine's ops.
+
+    ``logits(input_ids)`` takes one unpadded sequence (``[T]`` token ids) and returns ``[T, vocab]``
+    logits in bf16, like the HF model would.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, compiled: bool) -> None:
+        self.model = model
+        self.compiled = compiled
+        cfg = model.config
+        self.qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
+        attn = model.model.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = float(attn.scaling)
+        self.groups = int(attn.num_key_value_groups)
+        self.eps = float(cfg.rms_norm_eps)
+        dtype = model.model.embed_tokens.weight.dtype
+        self.rope_mod = _rope_for(
+            self.head_dim,
+            int(cfg.max_position_embeddings),
+            tuple(sorted(_rope_parameters(cfg).items())),
+            dtype,
+        )
+        self.cos_sin_cache = self.rope_mod.cos_sin_cache.to(dtype)
+        self._linear, self._sdpa = _floor_custom_ops()
+        # As the engine compiles: static weight shapes, only the token count dynamic (marked per call).
+        self._fn = (
+            torch.compile(self._hidden, backend="inductor", fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
+            if compiled
+            else self._hidden
+        )
+
+    # the engine's ops, as the selected path runs them
+    def _norm(self, x, w, residual=None):
+        if residual is None:
+            return _native("rms_norm")(x, w, self.eps)
+        return _native("fused_add_rms_norm")(x, residual, w, self.eps)
+
+    def _rope(self, positions, q, k):
+        if self.compiled:
+            from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+            return RotaryEmbedding.forward_static(
+                positions, q, k, self.head_dim, self.head_dim, self.cos_sin_cache, True
+            )
+        return self.rope_mod.forward_cpu(positions, q.clone(), k.clone())
+
+    def _silu_and_mul(self, gate, up):
+        from vllm.model_executor.layers.activation import SiluAndMul
+
+        return SiluAndMul.forward_native(torch.cat((gate, up), dim=-1))
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        base = self.model.model
+        lin = self._linear
+        t = input_ids.shape[0]
+        h = base.embed_tokens(input_ids)
+        residual = None
+        for layer in base.layers:
+            ln = layer.input_layernorm
+            if residual is None:
+                x, residual = self._norm(h, ln.weight), h
+            else:
+                x, residual = self._norm(h, ln.weight, residual)
+            a = layer.self_attn
+            q = lin(x, a.q_proj.weight, a.q_proj.bias)
+            k = lin(x, a.k_proj.weight, a.k_proj.bias)
+            v = lin(x, a.v_proj.weight, a.v_proj.bias)
+            if self.qk_norm:
+                q = self._norm(q.view(t, -1, self.head_dim), a.q_norm.weight).view(t, -1)
+                k = self._norm(k.view(t, -1, self.head_dim), a.k_norm.weight).view(t, -1)
+            q, k = self._rope(positions, q, k)
+            q4 = q.view(1, t, -1, self.head_dim).transpose(1, 2)
+            k4 = k.view(1, t, -1, self.head_dim).transpose(1, 2)
+            v4 = v.view(1, t, -1, self.head_dim).transpose(1, 2)
+            o = self._sdpa(q4, k4, v4, self.scaling, self.groups).reshape(t, -1)
+            h = lin(o, a.o_proj.weight, a.o_proj.bias)
+            ln = layer.post_attention_layernorm
+            x, residual = self._norm(h, ln.weight, residual)
+            m = layer.mlp
+            act = self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
+            h = lin(act, m.down_proj.weight, None)
+        out, _ = self._norm(h, base.norm.weight, residual)
+        return out
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).clone()
+        positions = torch.arange(ids.shape[0], dtype=torch.long)
+        if self.compiled:
+            # dynamic in the token count from the first call, as the engine compiles: one graph for
+            # every length (a static first compile can fuse, hence round, differently)
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        hidden = self._fn(ids, positions)
+        return self.model.lm_head(hidden)

@@ -25,3 +25,15 @@ class LigerConflictError(AlignmentError):
 
 class ProfileMismatchError(AlignmentError):
     """The requested engine profile contradicts the configured rollout engine."""
+
+
+class RolloutFormatError(AlignmentError):
+    """A rollout dump that cannot be used (malformed, inconsistent, or not fitting the model)."""
+
+
+class EngineUnavailableError(AlignmentError):
+    """The inference engine is not installed, or it failed to start / generate."""
+
+
+class VocabularyMismatchError(AlignmentError):
+    """The tokenizer and the model disagree on the vocabulary."""

