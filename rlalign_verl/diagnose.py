@@ -583,21 +583,21 @@ def _diagnose(
     timing["hf_load_s"] = time.time() - t
     results: dict[str, Any] = {}
     per_token: dict[str, list[float]] = {}
-    t = time.time()
-    for label, regions in setting_list:
+
+    def run_setting(label: str, regions: tuple[str, ...], note: str = "") -> None:
         apply_alignment(hf, regions=regions, engine=profile.name)
-        lps = _recompute(hf, rollouts, f"recompute [{label}]")
+        lps = _recompute(hf, rollouts, f"recompute [{label}]{note}")
         remove_alignment(hf)
         results[label], per_token[label] = _metrics(lps, rollouts)
         results[label]["regions"] = list(regions)
+
+    t = time.time()
+    for label, regions in setting_list:
+        run_setting(label, regions)
     timing["recompute_s"] = time.time() - t
     extra = _extra_settings(results, setting_list)
     for label, regions in extra:
-        apply_alignment(hf, regions=regions, engine=profile.name)
-        lps = _recompute(hf, rollouts, f"recompute [{label}] (for the recommendation)")
-        remove_alignment(hf)
-        results[label], per_token[label] = _metrics(lps, rollouts)
-        results[label]["regions"] = list(regions)
+        run_setting(label, regions, " (for the recommendation)")
         results[label]["extra"] = True
 
     floor_result: dict[str, Any] | None = None
