@@ -42,9 +42,12 @@ class AlignmentState:
     regions: tuple[str, ...]
     profile: EngineProfile
     model_type: str
+    compiled: bool = False
+    """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
 
     def describe(self) -> str:
-        return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}"
+        extra = " compiled" if self.compiled else ""
+        return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere
     @property
@@ -63,9 +66,30 @@ class AlignmentState:
 # --- aligned forwards (bound to instances; ``st`` is closed over) ---------------------------------
 
 
+def _region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
+    """``(swiglu(g, u), rope(q, k, cos, sin, out_dtype))`` with ``st``'s rounding, eager or compiled."""
+    if st.compiled:
+        from .regions.compiled import compiled_regions
+
+        fns = compiled_regions(st.profile, exact=True)
+        if "rope" in st.regions:  # compiled with the profile's rounding: only where rope is aligned
+            return fns.swiglu, fns.apply_rope
+        return fns.swiglu, lambda q, k, cos, sin, out_dtype: apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
+
+    def swiglu_fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate, up, st.swiglu)
+
+    def rope_fn(q, k, cos, sin, out_dtype):
+        return apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
+
+    return swiglu_fn, rope_fn
+
+
 def _mlp_forward(st: AlignmentState) -> Callable:
+    swiglu_fn = _region_fns(st)[0]
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), st.swiglu))
+        return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
 
     return forward
 
@@ -79,6 +103,7 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
     fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
     fp32_table = st.rope.table == "fp32"
     rotary_ref = weakref.ref(rotary)
+    rope_fn = _region_fns(st)[1]
 
     def forward(
         self: nn.Module,
@@ -109,7 +134,7 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
             cos, sin = rope_table(rot.inv_freq, position_ids, rot.attention_scaling)
         else:
             cos, sin = position_embeddings
-        q, k = apply_rope(q, k, cos, sin, st.rope, out_dtype=v.dtype)
+        q, k = rope_fn(q, k, cos, sin, out_dtype=v.dtype)
 
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
@@ -238,7 +263,9 @@ def _base_model(model: nn.Module, family: ModelFamily) -> nn.Module:
     raise UnsupportedModelError(f"no {family.base_model} found inside {type(model).__name__}")
 
 
-def _patch_instance(model: nn.Module, regions: tuple[str, ...], profile: EngineProfile) -> nn.Module:
+def _patch_instance(
+    model: nn.Module, regions: tuple[str, ...], profile: EngineProfile, compiled: bool = False
+) -> nn.Module:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
@@ -254,13 +281,13 @@ def _patch_instance(model: nn.Module, regions: tuple[str, ...], profile: EngineP
 
     current = get_alignment(model)
     if current is not None:
-        if current.regions == regions and current.profile == profile:
+        if current.regions == regions and current.profile == profile and current.compiled == compiled:
             return model  # idempotent
         _unpatch_instance(model)
     if not regions:
         return model
 
-    st = AlignmentState(regions=regions, profile=profile, model_type=model_type)
+    st = AlignmentState(regions=regions, profile=profile, model_type=model_type, compiled=compiled)
     base = _base_model(model, family)
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or ("rmsnorm" in regions and family.qk_norm)
@@ -294,7 +321,7 @@ _class_patch: dict[str, object] = {}
 _patched_models: weakref.WeakSet = weakref.WeakSet()
 
 
-def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile) -> None:
+def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compiled: bool) -> None:
     _remove_class_hooks()
     for family in FAMILIES.values():
         try:
@@ -305,7 +332,7 @@ def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile) -> No
 
         def init(self, *args, _orig=original_init, **kwargs):
             _orig(self, *args, **kwargs)
-            _patch_instance(self, regions, profile)
+            _patch_instance(self, regions, profile, compiled)
             _patched_models.add(self)
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -341,10 +368,13 @@ def apply_alignment(
     *,
     regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
     engine: str | EngineProfile = DEFAULT_PROFILE,
+    compile: bool = False,
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
     With ``model=None`` every supported model constructed afterwards is aligned (class form).
+    ``compile=True`` runs SwiGLU and RoPE as Inductor-compiled functions (same bits, faster; needs a
+    working Inductor backend, i.e. a C++ compiler on CPU or Triton on GPU).
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
@@ -352,7 +382,7 @@ def apply_alignment(
     profile = get_profile(engine)
     if model is None:
         if regions_t:
-            _install_class_hooks(regions_t, profile)
+            _install_class_hooks(regions_t, profile, compile)
         else:
             _remove_class_hooks()
         return None
@@ -360,7 +390,7 @@ def apply_alignment(
         if get_alignment(model) is not None:
             _unpatch_instance(model)
         return model
-    _patch_instance(model, regions_t, profile)
+    _patch_instance(model, regions_t, profile, compile)
     logger.debug("rlalign: aligned %s: %s", type(model).__name__, get_alignment(model).describe())
     return model
 
@@ -382,13 +412,14 @@ def aligned(
     *,
     regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
     engine: str | EngineProfile = DEFAULT_PROFILE,
+    compile: bool = False,
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = get_alignment(model) if model is not None else None
-    apply_alignment(model, regions=regions, engine=engine)
+    apply_alignment(model, regions=regions, engine=engine, compile=compile)
     try:
         yield model
     finally:
         remove_alignment(model)
         if previous is not None:
-            apply_alignment(model, regions=previous.regions, engine=previous.profile)
+            apply_alignment(model, regions=previous.regions, engine=previous.profile, compile=previous.compiled)

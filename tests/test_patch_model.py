@@ -240,3 +240,25 @@ def test_bad_input_errors() -> None:
     with pytest.raises(UnsupportedModelError):
         apply_alignment(gpt2, regions=["rope"])
     assert get_alignment(model) is None, "a failed apply must leave the model untouched"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_compiled_regions_are_bit_identical_to_eager(engine: str) -> None:
+    """``compile=True`` (Inductor-compiled SwiGLU and RoPE) must not move a single bit of the logits or
+    the gradients; the rmsnorm region stays eager (see rlalign_verl/regions/compiled.py)."""
+    from rlalign_verl.regions.compiled import inductor_available
+
+    ok, why = inductor_available()
+    if not ok:
+        pytest.skip(f"Inductor cannot compile here: {why}")
+    runs = []
+    for compile_ in (False, True):
+        model = build("qwen3").train()
+        apply_alignment(model, regions=ALL, engine=engine, compile=compile_)
+        assert get_alignment(model).compiled is compile_
+        out = model(IDS, labels=IDS)
+        out.loss.backward()
+        runs.append((out.logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = runs
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))

@@ -66,7 +66,7 @@ def qwen2_path(tiny_checkpoint) -> str:
 @pytest.mark.parametrize("regions_arg,expected", REGION_CASES, ids=["rope", "all", "none"])
 def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
     cfg = _resolved(composer(f"alignment.regions={regions_arg}", "actor_rollout_ref.rollout.name=vllm"))
-    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True}
+    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False}
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
     assert cfg["critic"]["model"]["override_config"] == {}
@@ -148,7 +148,7 @@ def test_cfg_job_subprocess():
         )
         expected += [want, want]
     for cfg, want in zip(_cfg_job_runs(runs), expected, strict=True):
-        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True}
+        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False}
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,
             "rlalign_engine": "auto",
@@ -255,6 +255,17 @@ def test_validate_writes_resolved_settings_for_workers(qwen2_path):
     override = _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu"}
     assert _resolved(cfg)["critic"]["model"]["override_config"] == {}
+
+
+def test_validate_passes_compile_to_workers_only_when_on(qwen2_path):
+    cfg = _valid(qwen2_path, "alignment.compile=true")
+    validate_config(cfg, on_cuda=False)
+    override = _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
+    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_compile": True}
+    cfg = compose_ours(f"actor_rollout_ref.model.path={qwen2_path}", "actor_rollout_ref.rollout.name=vllm",
+                       "alignment.compile=true")  # fmt: skip
+    validate_config(cfg, on_cuda=False)
+    assert "rlalign_compile" not in _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
 
 
 def test_validate_off_sends_nothing_to_workers(qwen2_path):

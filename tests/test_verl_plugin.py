@@ -142,8 +142,11 @@ def test_align_module_gates_on_config_flags(qwen2_path, caplog):
     finally:
         logger.propagate = False
     st = get_alignment(model)
-    assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager"
+    assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager" and not st.compiled
     assert "aligned Qwen2ForCausalLM (role=actor): regions=rope,swiglu profile=vllm-cpu-eager" in caplog.text
+
+    compiled = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm", rlalign_compile=True)
+    assert get_alignment(align_module(compiled, role="actor")).compiled
 
 
 def test_align_module_fails_loudly(qwen2_path):

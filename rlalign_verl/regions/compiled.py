@@ -15,7 +15,7 @@ Exactness, checked by ``tests/test_compiled_regions.py`` against the eager funct
   places, but the result is not bit-identical; so the norms are compiled only with ``exact=False``
   (default ``True`` returns the eager norms).
 
-Not wired into the patcher: call it, and pass the functions where the eager ones are used.
+``apply_alignment(..., compile=True)`` uses the exact set (``swiglu``, ``apply_rope``) in the patched model.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ REGIONS_KEY = "rlalign_regions"
 """Attribute set on the actor's and ref's HF config (via ``model.override_config``)."""
 ENGINE_KEY = "rlalign_engine"
 """Attribute holding the engine profile name, next to :data:`REGIONS_KEY`."""
+COMPILE_KEY = "rlalign_compile"
+"""Attribute set (only when true) for ``alignment.compile``: compiled SwiGLU/RoPE in the workers."""
 OVERRIDE_PATH = "actor_rollout_ref.model.override_config"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
@@ -273,6 +275,10 @@ def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str |
             node[ENGINE_KEY] = profile
         else:  # alignment off: an explicit [] also overrides a stale value in the checkpoint's config.json
             node.pop(ENGINE_KEY, None)
+        if regions and bool(_select(config, "alignment.compile", False)):
+            node[COMPILE_KEY] = True
+        else:
+            node.pop(COMPILE_KEY, None)
 
 
 _validated: dict[int, tuple[Any, tuple[tuple[str, ...], str | None]]] = {}

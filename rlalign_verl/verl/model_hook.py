@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import AlignmentError
-from .config import ENGINE_KEY, REGIONS_KEY
+from .config import COMPILE_KEY, ENGINE_KEY, REGIONS_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -69,10 +69,11 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     regions, engine = wanted
     name = type(module).__name__
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
+    compile_ = bool(getattr(getattr(module, "config", None), COMPILE_KEY, False))
     try:
         from ..patch import apply_alignment, get_alignment
 
-        apply_alignment(module, regions=regions, engine=engine)
+        apply_alignment(module, regions=regions, engine=engine, compile=compile_)
         state = get_alignment(module)
     except Exception as err:
         logger.error(
@@ -84,7 +85,12 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
         logger.error(msg)
         raise AlignmentError(msg)
     logger.info(
-        "aligned %s (%s): regions=%s profile=%s", name, where, ",".join(state.regions), state.profile.name
+        "aligned %s (%s): regions=%s profile=%s%s",
+        name,
+        where,
+        ",".join(state.regions),
+        state.profile.name,
+        " (compiled swiglu/rope)" if state.compiled else "",
     )
     return module
 
@@ -92,7 +98,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
     for cfg in configs:
-        for key in (REGIONS_KEY, ENGINE_KEY):
+        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 
