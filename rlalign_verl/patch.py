@@ -24,7 +24,7 @@ from .errors import LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
 from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
-from .regions.residual_stream import pack, unpack
+from .regions.residual_stream import carry_for, pack, unpack
 from .regions.rmsnorm import add_rms_norm, rms_norm
 from .regions.rope import apply_rope, rope_table
 from .regions.swiglu import swiglu
@@ -158,8 +158,9 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
 
 
 def _layer_forward(st: AlignmentState) -> Callable:
-    """vLLM-style layer: takes and returns the packed ``(hidden, residual)`` stream."""
+    """vLLM-style layer: takes and returns the residual stream packed as ``carry_for(profile)`` says."""
     mode = st.profile.residual
+    carry = carry_for(st.profile)
     # the input norm's residual leaves the compiled piece before attention (AT_ATTENTION) or is
     # stored at every add (EVERY_ADD); only a one-graph model (NEVER) keeps it fp32 throughout.
     round_at_input = mode in (Residual.EVERY_ADD, Residual.AT_ATTENTION)
@@ -176,13 +177,17 @@ def _layer_forward(st: AlignmentState) -> Callable:
         **kwargs,
     ) -> torch.Tensor:
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
+        # (h, r), or (the sum, None): a carried sum, or the embedding in the first layer
         h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
-        if residual is None:  # first layer: plain norm, the embedding is the residual
-            x, residual = rms_norm(h, ln_in.weight, ln_in.variance_epsilon, st.norm), h
-        else:
-            x, residual = add_rms_norm(
-                h, residual, ln_in.weight, ln_in.variance_epsilon, st.norm, round_residual=round_at_input
-            )
+        x, residual = add_rms_norm(
+            h,
+            residual,
+            ln_in.weight,
+            ln_in.variance_epsilon,
+            st.norm,
+            round_residual=round_at_input,
+            out_dtype=hidden_states.dtype,
+        )
         a, _ = self.self_attn(
             hidden_states=x,
             attention_mask=attention_mask,
@@ -195,7 +200,7 @@ def _layer_forward(st: AlignmentState) -> Callable:
         x, residual = add_rms_norm(
             a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post
         )
-        return pack(self.mlp(x), residual)
+        return pack(self.mlp(x), residual, carry)
 
     return forward
 
@@ -203,9 +208,9 @@ def _layer_forward(st: AlignmentState) -> Callable:
 def _final_norm_forward(st: AlignmentState) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         h, residual = unpack(hidden_states, self.weight.shape[-1])
-        if residual is None:
-            return rms_norm(h, self.weight, self.variance_epsilon, st.norm)
-        y, _ = add_rms_norm(h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True)
+        y, _ = add_rms_norm(
+            h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
+        )
         return y
 
     return forward

@@ -11,8 +11,9 @@ Counted two ways on a tiny bf16 Qwen2 (3 layers, hidden 256, intermediate 704 as
   (the profiler's allocation records, summed).
 
 Allowance (gradient checkpointing only): the residual stream crosses each checkpointed layer boundary as
-one packed tensor (:mod:`rlalign_verl.regions.residual_stream`): ``[T, 2H]`` bf16 for bf16-residual
-profiles and ``[T, 4H]`` (hidden + three limbs of the fp32 residual) for ``vllm``, where HF keeps ``[T, H]``.
+one packed tensor (:mod:`rlalign_verl.regions.residual_stream`): ``[T, H]`` (the rounded sum, as HF) for
+``vllm-eager``, ``[T, 2H]`` (hidden + bf16 residual) for ``sglang``, ``[T, 3H]`` (three limbs of the fp32
+sum) for ``vllm``, where HF keeps ``[T, H]``.
 So every layer input after the first costs ``(width - 1) * T * H * 2`` extra bytes; that is the
 whole allowance (the engine really carries that state between layers).
 """
@@ -30,7 +31,7 @@ from rlalign_verl.patch import apply_alignment, remove_alignment
 BF = torch.bfloat16
 H, INTER, LAYERS, T = 256, 704, 3, 64
 PROFILES = ("vllm", "vllm-eager", "sglang")
-PACKED_WIDTH = {"vllm": 4, "vllm-eager": 2, "sglang": 2}  # the layer-boundary tensor, in units of H
+PACKED_WIDTH = {"vllm": 3, "vllm-eager": 1, "sglang": 2}  # the layer-boundary tensor, in units of H
 
 
 def build() -> torch.nn.Module:
@@ -102,17 +103,6 @@ def describe(by_module: dict[str, list], group: str | None = None) -> str:
     return "\n".join(rows)
 
 
-_RMSNORM_VLLM = (
-    "rmsnorm.py _AddRmsNormFn.forward saves h (a view that keeps the whole packed [T, 4H] bf16 layer input "
-    "alive) and the fp32 residual from _FromLimbs: 12 B/token/H at each input norm and the final norm vs "
-    "HF's 6 (fp32 copy + bf16 normalised); fix: save the fp32 sum s (4 B) instead"
-)
-_ROPE_LAYOUT = (
-    "rope.py: _rotate returns torch.cat(...), contiguous [B, heads, T, d], where HF's q*cos keeps q's "
-    "[B, T, heads, d] layout; SDPA's output follows q's layout, so the attention output needs a transpose "
-    "copy before o_proj (one extra saved [T, H] bf16 per layer); and apply_rope saves per-layer fp32 copies "
-    "(rnd(cos)) of the bf16 table where HF saves nothing new"
-)
 KNOWN_EXCESS: dict[tuple[str, str], str] = {
     ("rope", "sglang"): "fp32-table profiles compute the fp32 cos/sin table inside each attention layer from "
     "position_ids (a table passed between layers would be cast to bf16 by FSDP2's cast_forward_inputs), and "

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlalign_verl.profiles import PROFILES, Mean, get_profile
-from rlalign_verl.regions.residual_stream import pack, unpack
+from rlalign_verl.regions.residual_stream import Carry, carry_for, pack, unpack
 from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
 from rlalign_verl.regions.rope import apply_rope, rope_table
 from rlalign_verl.regions.swiglu import swiglu
@@ -116,23 +116,32 @@ def test_rope_grad(profile: str) -> None:
 
 def test_residual_limbs_are_exact_forward_and_backward() -> None:
     torch.manual_seed(4)
-    h = torch.randn(2, 3, 64).to(BF)
-    s = (torch.randn(2, 3, 64) * torch.logspace(-20, 20, 64)).requires_grad_(True)  # wide exponent range
-    packed = pack(h, s)
-    assert packed.dtype == BF and packed.shape[-1] == 4 * 64
-    h2, s2 = unpack(packed.to(BF), 64)  # what FSDP2's cast_forward_inputs does: a no-op on bf16
-    assert torch.equal(h2, h) and s2.dtype == torch.float32
-    assert torch.equal(s2, s.detach()), "three bf16 limbs must carry an fp32 value exactly"
+    r = (torch.randn(2, 3, 64) * torch.logspace(-20, 20, 64)).requires_grad_(True)  # wide exponent range
+    h = torch.zeros(2, 3, 64, dtype=BF)
+    packed = pack(h, r, Carry.FP32_SUM)  # the fp32 sum 0 + r == r, as three bf16 limbs
+    packed = packed.to(BF)  # what FSDP2's cast_forward_inputs does: a no-op on bf16
+    assert packed.dtype == BF and packed.shape[-1] == 3 * 64
+    s, none = unpack(packed, 64)
+    assert none is None and s.dtype == torch.float32
+    assert torch.equal(s, r.detach()), "three bf16 limbs must carry an fp32 value exactly"
     g = torch.randn(2, 3, 64) * torch.logspace(-10, 10, 64)
-    (s2 * g).sum().backward()
-    assert torch.equal(s.grad, g), "the fp32 gradient must travel back through the limbs exactly"
+    (s * g).sum().backward()
+    assert torch.equal(r.grad, g), "the fp32 gradient must travel back through the limbs exactly"
 
 
-def test_residual_same_dtype_pair_and_plain() -> None:
+def test_residual_pair_rounded_sum_and_plain() -> None:
     h, r = torch.randn(5, 32).to(BF), torch.randn(5, 32).to(BF)
-    assert pack(h, r).shape == (5, 64)
-    h2, r2 = unpack(pack(h, r), 32)
+    assert pack(h, r, Carry.PAIR).shape == (5, 64)
+    h2, r2 = unpack(pack(h, r, Carry.PAIR), 32)
     assert torch.equal(h2, h) and torch.equal(r2, r)
+    s, none = unpack(pack(h, r, Carry.ROUNDED_SUM), 32)
+    assert none is None and torch.equal(s, h + r), "R(h + r): what HF's bf16 residual add gives"
     assert unpack(h, 32)[1] is None
     with pytest.raises(ValueError, match="packed residual stream"):
-        unpack(torch.randn(5, 96), 32)
+        unpack(torch.randn(5, 128), 32)
+
+
+def test_carry_follows_what_the_next_norm_reads() -> None:
+    want = {"hf": Carry.ROUNDED_SUM, "vllm-eager": Carry.ROUNDED_SUM, "vllm-cpu-eager": Carry.PAIR,
+            "sglang": Carry.PAIR, "vllm": Carry.FP32_SUM, "vllm-cpu": Carry.FP32_SUM}  # fmt: skip
+    assert {name: carry_for(get_profile(name)) for name in PROFILES} == want

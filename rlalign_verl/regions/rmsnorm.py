@@ -72,12 +72,14 @@ class _RmsNormFn(torch.autograd.Function):
 
 class _AddRmsNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, residual, weight, eps, rounding, round_residual):  # type: ignore[override]
+    def forward(ctx, h, residual, weight, eps, rounding, round_residual, out_dtype):  # type: ignore[override]
         ctx.eps, ctx.rounding = eps, rounding
-        ctx.h_dtype, ctx.r_dtype = h.dtype, residual.dtype
-        dtype = h.dtype
+        ctx.h_dtype = h.dtype
+        ctx.r_dtype = None if residual is None else residual.dtype
+        dtype = out_dtype or h.dtype
         with fp32_math(h):
-            s = h.float() + residual.float()  # the fp32 sum every fused add+norm forms
+            # the fp32 sum every fused add+norm forms (given whole when the residual is None)
+            s = h.float() if residual is None else h.float() + residual.float()
         # backward needs only s: saving it (4 B/element) rather than h and the residual keeps neither the
         # packed layer input (h is a view of it) nor the fp32 residual alive
         ctx.save_for_backward(s, weight)
@@ -100,7 +102,8 @@ class _AddRmsNormFn(torch.autograd.Function):
             ds, gw = _norm_backward(s, rt, weight.float(), gy.float())
             if g_res is not None:
                 ds = ds + g_res.float()
-        return ds.to(ctx.h_dtype), ds.to(ctx.r_dtype), _reduce_to_weight(gw, weight), None, None, None
+        d_res = None if ctx.r_dtype is None else ds.to(ctx.r_dtype)
+        return ds.to(ctx.h_dtype), d_res, _reduce_to_weight(gw, weight), None, None, None, None
 
 
 def rms_norm(
@@ -112,15 +115,18 @@ def rms_norm(
 
 def add_rms_norm(
     h: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     rounding: NormRounding,
     *,
     round_residual: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused ``s = h + residual`` then RMSNorm; returns ``(normed in h.dtype, residual for the next norm)``.
 
-    The returned residual is ``R(s)`` in ``h.dtype`` when ``round_residual`` else the fp32 ``s``.
+    ``residual=None``: ``h`` is the sum itself (bf16, or the fp32 sum carried between layers); the output
+    is then rounded to ``out_dtype`` (default ``h.dtype``). The returned residual is ``R(s)`` when
+    ``round_residual`` else the fp32 ``s``.
     """
-    return _AddRmsNormFn.apply(h, residual, weight, eps, rounding, round_residual)
+    return _AddRmsNormFn.apply(h, residual, weight, eps, rounding, round_residual, out_dtype)
