@@ -6,7 +6,6 @@ Runs on the driver before Ray starts (from :mod:`rlalign_verl.main_ppo`, and fro
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -246,14 +245,9 @@ def check_plugin_reaches_workers() -> None:
 
 
 def _check_metrics(config: Any) -> None:
-    try:
-        trainer_callback = importlib.import_module(f"{__package__}.trainer_callback")
-    except ImportError as err:
-        if getattr(err, "name", None) != f"{__package__}.trainer_callback":
-            raise
-        logger.debug("trainer_callback not available; metrics config not checked")
-        return
-    trainer_callback.check_metrics_config(config)
+    from .trainer_callback import check_metrics_config
+
+    check_metrics_config(config)
 
 
 def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str | None) -> None:
