@@ -85,16 +85,14 @@ def _region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     return swiglu_fn, rope_fn
 
 
-def _mlp_forward(st: AlignmentState) -> Callable:
-    swiglu_fn = _region_fns(st)[0]
-
+def _mlp_forward(swiglu_fn: Callable) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
 
     return forward
 
 
-def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module) -> Callable:
+def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module, rope_fn: Callable) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager_attention = family.module().eager_attention_forward
@@ -103,7 +101,6 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
     fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
     fp32_table = st.rope.table == "fp32"
     rotary_ref = weakref.ref(rotary)
-    rope_fn = _region_fns(st)[1]
 
     def forward(
         self: nn.Module,
@@ -296,8 +293,9 @@ def _patch_instance(
     base = _base_model(model, family)
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or ("rmsnorm" in regions and family.qk_norm)
-    attn_fwd = _attention_forward(st, family, base.rotary_emb) if attn_needed else None
-    mlp_fwd = _mlp_forward(st) if "swiglu" in regions else None
+    swiglu_fn, rope_fn = _region_fns(st)
+    attn_fwd = _attention_forward(st, family, base.rotary_emb, rope_fn) if attn_needed else None
+    mlp_fwd = _mlp_forward(swiglu_fn) if "swiglu" in regions else None
     layer_fwd = _layer_forward(st) if "rmsnorm" in regions else None
     for m in model.modules():
         if attn_fwd and isinstance(m, attn_cls):

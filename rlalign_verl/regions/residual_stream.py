@@ -32,10 +32,8 @@ class Carry(str, Enum):
     FP32_SUM = "fp32_sum"
 
 
-def carry_for(profile: EngineProfile, norm_aligned: bool = True) -> Carry:
-    """What crosses a layer boundary for ``profile`` (HF's rounding when the norm region is not aligned)."""
-    if not norm_aligned:
-        return Carry.ROUNDED_SUM
+def carry_for(profile: EngineProfile) -> Carry:
+    """What crosses a layer boundary for ``profile``'s residual add + RMSNorm."""
     if profile.residual is not Residual.EVERY_ADD:
         return Carry.FP32_SUM
     if profile.norm.variance is Source.ROUNDED_SUM and profile.norm.normalize is Source.ROUNDED_SUM:
