@@ -27,6 +27,12 @@ class ModelFamily:
     rmsnorm: str
     qk_norm: bool
     """Attention has per-head ``q_norm``/``k_norm`` (Qwen3) before RoPE."""
+    experts: str | None = None
+    """MoE families: the class holding all routed experts' weights as 3-D tensors (``None``: dense)."""
+    router: str | None = None
+    """MoE families: the top-k router (its ``weight`` is the gate linear)."""
+    moe_block: str | None = None
+    """MoE families: the sparse block (router + experts, and in Qwen2-MoE the gated shared expert)."""
 
     def module(self) -> ModuleType:
         return importlib.import_module(self.modeling_module)
@@ -68,6 +74,33 @@ FAMILIES: dict[str, ModelFamily] = {
             mlp="LlamaMLP",
             rmsnorm="LlamaRMSNorm",
             qk_norm=False,
+        ),
+        # MoE: ``mlp`` is the dense MLP class (dense layers and Qwen2-MoE's shared expert)
+        ModelFamily(
+            model_type="qwen3_moe",
+            modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
+            base_model="Qwen3MoeModel",
+            decoder_layer="Qwen3MoeDecoderLayer",
+            attention="Qwen3MoeAttention",
+            mlp="Qwen3MoeMLP",
+            rmsnorm="Qwen3MoeRMSNorm",
+            qk_norm=True,
+            experts="Qwen3MoeExperts",
+            router="Qwen3MoeTopKRouter",
+            moe_block="Qwen3MoeSparseMoeBlock",
+        ),
+        ModelFamily(
+            model_type="qwen2_moe",
+            modeling_module="transformers.models.qwen2_moe.modeling_qwen2_moe",
+            base_model="Qwen2MoeModel",
+            decoder_layer="Qwen2MoeDecoderLayer",
+            attention="Qwen2MoeAttention",
+            mlp="Qwen2MoeMLP",
+            rmsnorm="Qwen2MoeRMSNorm",
+            qk_norm=False,
+            experts="Qwen2MoeExperts",
+            router="Qwen2MoeTopKRouter",
+            moe_block="Qwen2MoeSparseMoeBlock",
         ),
     )
 }

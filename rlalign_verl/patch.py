@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
+from .moe_patch import bind_moe, check_moe_config
 from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
 from .regions.residual_stream import carry_for, pack, unpack
@@ -280,6 +281,7 @@ def _patch_instance(
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
     _check_not_liger(model, family)
+    check_moe_config(config, family)
 
     current = get_alignment(model)
     if current is not None:
@@ -304,6 +306,7 @@ def _patch_instance(
             _bind(m, mlp_fwd)
         elif layer_fwd and isinstance(m, layer_cls):
             _bind(m, layer_fwd)
+    bind_moe(model, family, profile.moe, regions, _bind)
     if layer_fwd:
         _bind(base.norm, _final_norm_forward(st))
     model.__dict__[_STATE_ATTR] = st

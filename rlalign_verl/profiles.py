@@ -97,6 +97,46 @@ class NormRounding:
 
 
 @dataclass(frozen=True)
+class MoeRounding:
+    """Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE).
+
+    Expert internals belong to the swiglu region: ``expert_gemm`` "bf16" = each expert's gate_up and
+    down GEMM output stored in bf16 (HF's per-expert ``F.linear``), "fp32" = kept fp32 with SwiGLU
+    applied to the fp32 GEMM output (a fused expert kernel); ``expert_act_roundings`` as
+    :class:`SwigluRounding`. Router and combine belong to the moe region: ``router_softmax`` "all" =
+    fp32 softmax over all experts, top-k of the probabilities, renormalised by division (HF); "topk" =
+    top-k of the logits, softmax over those k only. ``weights_dtype``: routing weights rounded to
+    "bf16" or kept "fp32". ``combine`` "bf16" = ``R(R(d_k) * w_k)`` added one expert at a time into a
+    bf16 buffer (HF's ``index_add_``); "fp32" = ``R(sum_k w_k * d_k)`` with fp32 ``d_k`` (one rounding).
+    """
+
+    expert_gemm: str = "bf16"
+    expert_act_roundings: int = 2
+    router_softmax: str = "all"
+    weights_dtype: str = "bf16"
+    combine: str = "bf16"
+
+    def __post_init__(self) -> None:
+        ok = (
+            self.expert_gemm in ("bf16", "fp32")
+            and self.expert_act_roundings in (1, 2)
+            and self.router_softmax in ("all", "topk")
+            and self.weights_dtype in ("bf16", "fp32")
+            and self.combine in ("bf16", "fp32")
+        )
+        if not ok:
+            raise ValueError(f"invalid MoeRounding {self}")
+
+
+# vLLM CPU: torch.ops._C.cpu_fused_moe (an opaque custom op on both execution paths) keeps both GEMM
+# outputs fp32, rounds silu(g)*u once, sums w_k*d_k in fp32; CPURouter._softmax_topk takes the top-k of
+# the bf16 logits and softmaxes those k (torch.softmax on bf16: output rounded to bf16, then .float()).
+CPU_FUSED_MOE = MoeRounding(
+    expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
+)
+
+
+@dataclass(frozen=True)
 class EngineProfile:
     """Where one engine execution path rounds, per region.
 
@@ -119,6 +159,8 @@ class EngineProfile:
     verified: str
     """How the profile was established: what was run against which real op, or "read from source"."""
     sources: tuple[str, ...] = ()
+    moe: MoeRounding = MoeRounding()
+    """MoE experts, router and combine (HF's rounding unless the row says otherwise)."""
 
     def with_name(self, name: str, **changes: object) -> EngineProfile:
         """A copy under another name with some fields changed (for user-defined variants)."""
@@ -155,6 +197,7 @@ VLLM_CPU = EngineProfile(
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=1, mean=Mean.MEAN),
     residual=Residual.NEVER,
     qk_norm_rounded_before_rope=False,
+    moe=CPU_FUSED_MOE,
     engine="vllm",
     device="cpu",
     verified=(
@@ -182,6 +225,7 @@ VLLM_CPU_EAGER = EngineProfile(
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=2, mean=Mean.MEAN),
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
+    moe=CPU_FUSED_MOE,
     engine="vllm",
     device="cpu",
     verified=(

@@ -1,0 +1,93 @@
+"""Aligned forwards for the mixture-of-experts modules of MoE families (Qwen2-MoE, Qwen3-MoE).
+
+The generic patcher (:mod:`rlalign_verl.patch`) aligns attention, norms and the dense MLPs (including
+Qwen2-MoE's shared expert) of MoE families like any other; this module adds the routed experts (swiglu
+region: what happens inside each expert) and the router and combine (moe region). Forwards are bound
+per instance with the patcher's own ``bind``, so removal restores them with everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .errors import UnsupportedModelError
+from .families import ModelFamily
+from .profiles import HF, MoeRounding
+from .regions.moe import mix_experts, route
+
+_EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
+_ROUTER_FIELDS = ("router_softmax", "weights_dtype", "combine")
+
+# config attributes of routers this alignment does not mirror, with the value that means "plain softmax top-k"
+_ROUTER_ATTRS = {
+    "scoring_func": ("softmax", None),
+    "n_group": (None, 1, 0),
+    "topk_group": (None, 1, 0),
+    "topk_method": (None, "greedy"),
+    "routed_scaling_factor": (None, 1.0),
+}
+
+
+def check_moe_config(config: object, family: ModelFamily) -> None:
+    """One-line error for MoE settings the alignment cannot follow (raised before any patching)."""
+    if family.experts is None:
+        return
+    for attr, plain in _ROUTER_ATTRS.items():
+        value = getattr(config, attr, None)
+        if value not in plain:
+            raise UnsupportedModelError(
+                f"{family.model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k "
+                f"routing only (no grouped top-k, sigmoid scoring or routed scaling); turn alignment off for "
+                f"this model"
+            )
+
+
+def effective_moe(profile_moe: MoeRounding, regions: tuple[str, ...]) -> MoeRounding:
+    """The profile's expert rounding where swiglu is aligned and router/combine where moe is, HF's elsewhere."""
+    fields = {}
+    if "swiglu" in regions:
+        fields.update({f: getattr(profile_moe, f) for f in _EXPERT_FIELDS})
+    if "moe" in regions:
+        fields.update({f: getattr(profile_moe, f) for f in _ROUTER_FIELDS})
+    return dataclasses.replace(HF.moe, **fields)
+
+
+def _experts_forward(rounding: MoeRounding) -> Callable:
+    def forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        return mix_experts(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, rounding
+        )
+
+    return forward
+
+
+def _router_forward(rounding: MoeRounding) -> Callable:
+    def forward(self: nn.Module, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = nn.functional.linear(hidden_states, self.weight)  # bf16 logits: HF and the engines alike
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob, rounding)
+        return logits, weights, experts
+
+    return forward
+
+
+def bind_moe(
+    model: nn.Module, family: ModelFamily, profile_moe: MoeRounding, regions: tuple[str, ...], bind: Callable
+) -> None:
+    """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances."""
+    if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
+        return
+    rounding = effective_moe(profile_moe, regions)
+    experts_cls = family.cls("experts")
+    router_cls = family.cls("router")
+    experts_fwd = _experts_forward(rounding)
+    router_fwd = _router_forward(rounding) if "moe" in regions else None
+    for m in model.modules():
+        if isinstance(m, experts_cls):
+            bind(m, experts_fwd)
+        elif router_fwd is not None and isinstance(m, router_cls):
+            bind(m, router_fwd)

@@ -1,0 +1,92 @@
+"""Mixture-of-experts math, parameterised by :class:`~rlalign_verl.profiles.MoeRounding`.
+
+:func:`route` is the router (top-k selection and routing weights from the gate logits), and
+:func:`mix_experts` runs the selected experts and combines their outputs. Both are plain
+differentiable PyTorch (no custom backward): the roundings are ``x.to(bf16)`` casts, whose gradient is
+the identity cast back, i.e. straight-through as in the other regions. The expert selection itself
+(``topk`` indices) carries no gradient, exactly as in HF.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..profiles import MoeRounding, SwigluRounding
+from ._precision import fp32_math, rnd
+from .swiglu import swiglu
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, rounding: MoeRounding
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, k], experts [T, k])`` from the gate logits ``[T, E]`` (activation dtype)."""
+    dtype = logits.dtype
+    with fp32_math(logits):
+        if rounding.router_softmax == "topk":
+            # vLLM CPURouter._softmax_topk: top-k of the bf16 logits, then softmax over those k only
+            vals, idx = torch.topk(logits, top_k, dim=-1)
+            if renormalize:
+                w = torch.softmax(vals.float(), dim=-1)  # .float(): torch.softmax on bf16 computes in fp32
+            else:
+                w = (vals.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+        else:
+            # HF TopKRouter: fp32 softmax over all experts, top-k of the probabilities, divide by their sum
+            probs = torch.softmax(logits.float(), dim=-1)  # .float(): HF's softmax(..., dtype=torch.float)
+            w, idx = torch.topk(probs, top_k, dim=-1)
+            if renormalize:
+                w = w / w.sum(dim=-1, keepdim=True)
+        if rounding.weights_dtype == "bf16":
+            w = w.to(dtype)  # HF: .to(router_logits.dtype); vLLM CPU: bf16 softmax output
+    return w, idx
+
+
+def _expert(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rounding: MoeRounding
+) -> torch.Tensor:
+    """One expert on its tokens: ``down(swiglu(gate_up(x)))``, fp32 or bf16 as ``expert_gemm`` says."""
+    inter = down.shape[-1]
+    if rounding.expert_gemm == "fp32":
+        # fused expert kernel (vLLM cpu_fused_moe): bf16 products accumulated in fp32, the GEMM output is
+        # never stored in bf16; only the SwiGLU output (the second GEMM's operand) is rounded
+        gu = x.float() @ gate_up.float().t()
+        g, u = gu[..., :inter], gu[..., inter:]
+        a = F.silu(g)
+        if rounding.expert_act_roundings == 2:
+            a = rnd(a, x.dtype)
+        a = (a * u).to(x.dtype)
+        return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator, not rounded here
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    a = swiglu(g, u, SwigluRounding(roundings=rounding.expert_act_roundings))
+    return F.linear(a, down)
+
+
+def mix_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rounding: MoeRounding,
+) -> torch.Tensor:
+    """``sum_k w_k * expert_{e_k}(x)`` per token, rounded where ``rounding`` says; ``x`` is ``[T, H]``.
+
+    ``gate_up``: ``[E, 2I, H]`` (gate rows first), ``down``: ``[E, H, I]``, as HF stores them. Experts run
+    in ascending order, as HF's loop (the order of the bf16 running sum).
+    """
+    dtype = x.dtype
+    fp32_combine = rounding.combine == "fp32"
+    with fp32_math(x):
+        out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dtype, device=x.device)
+        hit = torch.unique(experts).tolist()
+        for e in hit:
+            token, slot = torch.where(experts == e)
+            d = _expert(x[token], gate_up[e], down[e], rounding)
+            w = weights[token, slot, None]
+            if fp32_combine:
+                # w * d in fp32, summed over the slots in fp32, one rounding at the end
+                out = out.index_add(0, token, d.float() * w.float())
+            else:
+                # HF: the product rounded, then added into the bf16 output buffer (each add rounds)
+                out = out.index_add(0, token, (d.to(dtype) * w.to(dtype)).to(dtype))
+        return out.to(dtype)
