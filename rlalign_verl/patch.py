@@ -22,6 +22,7 @@ from torch import nn
 
 from .errors import LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
+from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
 from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
@@ -45,9 +46,11 @@ class AlignmentState:
     model_type: str
     compiled: bool = False
     """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
+    kernels: str = "torch"
+    """SwiGLU/RoPE forwards on CUDA: ``"torch"`` fp32 ops (default) or the opt-in ``"triton"`` kernels."""
 
     def describe(self) -> str:
-        extra = " compiled" if self.compiled else ""
+        extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere
@@ -77,11 +80,13 @@ def _region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
             return fns.swiglu, fns.apply_rope
         return fns.swiglu, lambda q, k, cos, sin, out_dtype: apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
 
+    triton = st.kernels == "triton"
+
     def swiglu_fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return swiglu(gate, up, st.swiglu)
+        return swiglu(gate, up, st.swiglu, triton=triton)
 
     def rope_fn(q, k, cos, sin, out_dtype):
-        return apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
+        return apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype, triton=triton)
 
     return swiglu_fn, rope_fn
 
@@ -267,7 +272,7 @@ def _base_model(model: nn.Module, family: ModelFamily) -> nn.Module:
 
 
 def _patch_instance(
-    model: nn.Module, regions: tuple[str, ...], profile: EngineProfile, compiled: bool = False
+    model: nn.Module, regions: tuple[str, ...], profile: EngineProfile, compiled: bool = False, kernels: str = "torch"
 ) -> nn.Module:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -285,13 +290,13 @@ def _patch_instance(
 
     current = get_alignment(model)
     if current is not None:
-        if current.regions == regions and current.profile == profile and current.compiled == compiled:
+        if (current.regions, current.profile, current.compiled, current.kernels) == (regions, profile, compiled, kernels):
             return model  # idempotent
         _unpatch_instance(model)
     if not regions:
         return model
 
-    st = AlignmentState(regions=regions, profile=profile, model_type=model_type, compiled=compiled)
+    st = AlignmentState(regions=regions, profile=profile, model_type=model_type, compiled=compiled, kernels=kernels)
     base = _base_model(model, family)
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or ("rmsnorm" in regions and family.qk_norm)
@@ -327,7 +332,7 @@ _class_patch: dict[str, object] = {}
 _patched_models: weakref.WeakSet = weakref.WeakSet()
 
 
-def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compiled: bool) -> None:
+def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compiled: bool, kernels: str) -> None:
     _remove_class_hooks()
     for family in FAMILIES.values():
         try:
@@ -338,7 +343,7 @@ def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compi
 
         def init(self, *args, _orig=original_init, **kwargs):
             _orig(self, *args, **kwargs)
-            _patch_instance(self, regions, profile, compiled)
+            _patch_instance(self, regions, profile, compiled, kernels)
             _patched_models.add(self)
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -375,20 +380,24 @@ def apply_alignment(
     regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
     engine: str | EngineProfile = DEFAULT_PROFILE,
     compile: bool = False,
+    kernels: str | None = None,
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
     With ``model=None`` every supported model constructed afterwards is aligned (class form).
     ``compile=True`` runs SwiGLU and RoPE as Inductor-compiled functions (same bits, faster; needs a
-    working Inductor backend, i.e. a C++ compiler on CPU or Triton on GPU).
+    working Inductor backend, i.e. a C++ compiler on CPU or Triton on GPU). ``kernels``: ``"torch"``
+    (default; PyTorch fp32 ops) or ``"triton"`` (opt-in fused forwards on CUDA; ``None`` reads
+    ``RLALIGN_TRITON=1``); not combinable with ``compile=True``.
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
     regions_t = normalize_regions(regions)
     profile = get_profile(engine)
+    kernels_ = resolve_kernels(kernels, compile=compile)
     if model is None:
         if regions_t:
-            _install_class_hooks(regions_t, profile, compile)
+            _install_class_hooks(regions_t, profile, compile, kernels_)
         else:
             _remove_class_hooks()
         return None
@@ -396,7 +405,7 @@ def apply_alignment(
         if get_alignment(model) is not None:
             _unpatch_instance(model)
         return model
-    _patch_instance(model, regions_t, profile, compile)
+    _patch_instance(model, regions_t, profile, compile, kernels_)
     logger.debug("rlalign: aligned %s: %s", type(model).__name__, get_alignment(model).describe())
     return model
 
@@ -419,13 +428,16 @@ def aligned(
     regions: Iterable[str] | str | None = ("rope", "swiglu", "rmsnorm"),
     engine: str | EngineProfile = DEFAULT_PROFILE,
     compile: bool = False,
+    kernels: str | None = None,
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = get_alignment(model) if model is not None else None
-    apply_alignment(model, regions=regions, engine=engine, compile=compile)
+    apply_alignment(model, regions=regions, engine=engine, compile=compile, kernels=kernels)
     try:
         yield model
     finally:
         remove_alignment(model)
         if previous is not None:
-            apply_alignment(model, regions=previous.regions, engine=previous.profile, compile=previous.compiled)
+            apply_alignment(
+                model, regions=previous.regions, engine=previous.profile, compile=previous.compiled, kernels=previous.kernels
+            )

@@ -119,13 +119,12 @@ def test_interpreted_swiglu_matches_pytorch(interpreted: dict[str, float]) -> No
     assert sum(v == 1.0 for v in swi.values()) >= 10, swi
 
 
-def test_available_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert kernels.available(torch.zeros(1)) is False  # CPU tensors never take the Triton path
+def test_available_only_on_cuda_and_when_asked() -> None:
+    assert kernels.available(torch.zeros(1), requested=True) is False  # CPU tensors never take the Triton path
     if torch.cuda.is_available():
         t = torch.zeros(1, device="cuda")
-        assert kernels.available(t) is True
-        monkeypatch.setenv("RLALIGN_TRITON", "0")
-        assert kernels.available(t) is False
+        assert kernels.available(t) is False  # opt-in: the default CUDA path is PyTorch
+        assert kernels.available(t, requested=True) is True
 
 
 def test_bad_input_is_refused() -> None:

@@ -66,7 +66,7 @@ def qwen2_path(tiny_checkpoint) -> str:
 @pytest.mark.parametrize("regions_arg,expected", REGION_CASES, ids=["rope", "all", "none"])
 def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
     cfg = _resolved(composer(f"alignment.regions={regions_arg}", "actor_rollout_ref.rollout.name=vllm"))
-    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False}
+    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch"}
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
     assert cfg["critic"]["model"]["override_config"] == {}
@@ -148,7 +148,7 @@ def test_cfg_job_subprocess():
         )
         expected += [want, want]
     for cfg, want in zip(_cfg_job_runs(runs), expected, strict=True):
-        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False}
+        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch"}
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,
             "rlalign_engine": "auto",
@@ -448,3 +448,29 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_validate_passes_triton_kernels_only_when_asked(qwen2_path):
+    cfg = _valid(qwen2_path, "alignment.kernels=triton")
+    validate_config(cfg, on_cuda=False)
+    assert _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]["rlalign_kernels"] == "triton"
+    cfg = _valid(qwen2_path)  # default: torch, nothing sent (the workers' default is the PyTorch path)
+    validate_config(cfg, on_cuda=False)
+    assert "rlalign_kernels" not in _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [(("alignment.kernels=cuda",), "use torch"), (("alignment.kernels=triton", "alignment.compile=true"), "choose one")],
+)
+def test_error_bad_kernels(qwen2_path, extra, match):
+    with pytest.raises(AlignmentError, match=match):
+        validate_config(_valid(qwen2_path, *extra), on_cuda=False)
+
+
+def test_error_hook_target_moved(qwen2_path, monkeypatch):
+    from rlalign_verl.verl import model_hook
+
+    monkeypatch.setattr(model_hook, "ENGINE_MODULE", "verl.workers.engine.fsdp.moved_away")
+    with pytest.raises(AlignmentError, match=r"install verl==0\.9\.1"):
+        validate_config(_valid(qwen2_path), on_cuda=False)

@@ -60,10 +60,10 @@ class _RopeFn(torch.autograd.Function):
     """Saves nothing but the (non-differentiable) table; the rotation is linear in ``x``."""
 
     @staticmethod
-    def forward(ctx, x, c, s, rounding, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, c, s, rounding, out_dtype, triton):  # type: ignore[override]
         ctx.save_for_backward(c, s)
         ctx.in_dtype = x.dtype
-        if kernels.available(x) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
+        if kernels.available(x, triton) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
             if out_dtype in (torch.bfloat16, torch.float16):
                 return kernels.rope_forward(x, c.float(), s.float(), rounding.roundings, out_dtype)  # same formula, fused
         with fp32_math(x):
@@ -81,7 +81,7 @@ class _RopeFn(torch.autograd.Function):
             dx1 = g1 * c[..., :half] + g2 * s[..., half:]
             dx2 = g2 * c[..., half:] - g1 * s[..., :half]
             dx = torch.cat((dx1, dx2), dim=-1).to(ctx.in_dtype)
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def apply_rope(
@@ -93,13 +93,15 @@ def apply_rope(
     *,
     out_dtype: torch.dtype | None = None,
     unsqueeze_dim: int = 1,
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` (``[batch, heads, seq, head_dim]``) with table ``cos, sin`` (``[batch, seq, head_dim]``).
 
     ``out_dtype`` defaults to ``q.dtype``; pass the activation dtype when ``q``/``k`` arrive in
     fp32 (Qwen3's q/k-norm handed over unrounded). With ``rounding.table == "bf16"`` the table is
     rounded to ``out_dtype`` first (a no-op for HF's already-rounded table); with ``"fp32"`` the caller
-    must pass the unrounded fp32 table (:func:`rope_table`).
+    must pass the unrounded fp32 table (:func:`rope_table`). ``triton=True`` (or ``RLALIGN_TRITON=1``) runs
+    the forward as the opt-in Triton kernel on CUDA tensors.
     """
     out_dtype = out_dtype or q.dtype
     with fp32_math(cos):
@@ -112,4 +114,4 @@ def apply_rope(
                 raise ValueError("an fp32-table RoPE profile needs the unrounded fp32 table (rope_table)")
             c, s = cos, sin
         c, s = c.unsqueeze(unsqueeze_dim), s.unsqueeze(unsqueeze_dim)
-    return _RopeFn.apply(q, c, s, rounding, out_dtype), _RopeFn.apply(k, c, s, rounding, out_dtype)
+    return _RopeFn.apply(q, c, s, rounding, out_dtype, triton), _RopeFn.apply(k, c, s, rounding, out_dtype, triton)

@@ -14,10 +14,10 @@ class _SwigluFn(torch.autograd.Function):
     """Saves only the bf16 ``gate`` and ``up``; ``silu`` and its derivative are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, gate, up, roundings):  # type: ignore[override]
+    def forward(ctx, gate, up, roundings, triton):  # type: ignore[override]
         ctx.save_for_backward(gate, up)
         dtype = gate.dtype
-        if kernels.available(gate) and dtype in (torch.bfloat16, torch.float16):
+        if kernels.available(gate, triton) and dtype in (torch.bfloat16, torch.float16):
             return kernels.swiglu_forward(gate, up, roundings)  # same formula, one fused Triton pass
         with fp32_math(gate):
             a = F.silu(gate.float())
@@ -40,9 +40,12 @@ class _SwigluFn(torch.autograd.Function):
             t = torch.rsub(sig, 1.0).mul_(g).add_(1.0)  # 1 + g*(1 - sig)
             del g
             d_gate = go.mul_(up).mul_(sig).mul_(t)  # ((go*u)*sig)*t
-        return d_gate.to(gate.dtype), d_up, None
+        return d_gate.to(gate.dtype), d_up, None, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, rounding: SwigluRounding) -> torch.Tensor:
-    """``R(silu(g) * u)`` (1 rounding) or ``R(R(silu(g)) * u)`` (2 roundings), in ``gate.dtype``."""
-    return _SwigluFn.apply(gate, up, rounding.roundings)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, rounding: SwigluRounding, *, triton: bool = False) -> torch.Tensor:
+    """``R(silu(g) * u)`` (1 rounding) or ``R(R(silu(g)) * u)`` (2 roundings), in ``gate.dtype``.
+
+    ``triton=True`` (or ``RLALIGN_TRITON=1``) runs the forward as the opt-in Triton kernel on CUDA tensors.
+    """
+    return _SwigluFn.apply(gate, up, rounding.roundings, triton)

@@ -22,6 +22,8 @@ ENGINE_KEY = "rlalign_engine"
 """Attribute holding the engine profile name, next to :data:`REGIONS_KEY`."""
 COMPILE_KEY = "rlalign_compile"
 """Attribute set (only when true) for ``alignment.compile``: compiled SwiGLU/RoPE in the workers."""
+KERNELS_KEY = "rlalign_kernels"
+"""Attribute set (only for ``alignment.kernels=triton``): the opt-in Triton SwiGLU/RoPE forwards."""
 OVERRIDE_PATH = "actor_rollout_ref.model.override_config"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
@@ -273,6 +275,22 @@ def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str |
             node[COMPILE_KEY] = True
         else:
             node.pop(COMPILE_KEY, None)
+        if regions and _kernels(config) == "triton":
+            node[KERNELS_KEY] = "triton"
+        else:
+            node.pop(KERNELS_KEY, None)
+
+
+def _kernels(config: Any) -> str:
+    """``alignment.kernels`` checked on the driver (``torch`` default; ``triton`` opt-in)."""
+    from ..kernels import KERNELS
+
+    value = str(_select(config, "alignment.kernels", "torch") or "torch").strip().lower()
+    if value not in KERNELS:
+        raise AlignmentError(f"alignment.kernels={value!r}: use torch (default) or triton")
+    if value == "triton" and bool(_select(config, "alignment.compile", False)):
+        raise AlignmentError("alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one")
+    return value
 
 
 _validated: dict[int, tuple[Any, tuple[tuple[str, ...], str | None]]] = {}
@@ -304,6 +322,10 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                     f"FSDP engine only; use strategy fsdp or fsdp2, or alignment.regions=[]"
                 )
         check_plugin_reaches_workers()
+        _kernels(config)
+        from .model_hook import check_hook_target
+
+        check_hook_target()
         model_type = _model_type(config)
         if model_type is not None:
             from ..families import get_family

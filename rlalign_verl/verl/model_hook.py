@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import AlignmentError
-from .config import COMPILE_KEY, ENGINE_KEY, REGIONS_KEY
+from .config import COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -70,10 +70,11 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     name = type(module).__name__
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
     compile_ = bool(getattr(getattr(module, "config", None), COMPILE_KEY, False))
+    kernels = getattr(getattr(module, "config", None), KERNELS_KEY, None)  # None: RLALIGN_TRITON=1 or torch
     try:
         from ..patch import apply_alignment, get_alignment
 
-        apply_alignment(module, regions=regions, engine=engine, compile=compile_)
+        apply_alignment(module, regions=regions, engine=engine, compile=compile_, kernels=kernels)
         state = get_alignment(module)
     except Exception as err:
         logger.error(
@@ -90,7 +91,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
         where,
         ",".join(state.regions),
         state.profile.name,
-        " (compiled swiglu/rope)" if state.compiled else "",
+        (" (compiled swiglu/rope)" if state.compiled else "") + (" (triton swiglu/rope)" if state.kernels == "triton" else ""),
     )
     return module
 
@@ -98,7 +99,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
     for cfg in configs:
-        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY):
+        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 
@@ -111,16 +112,48 @@ def _role(engine: Any) -> str:
     return "ref" if forward_only else "actor"
 
 
+def _hook_target_error(where: str) -> AlignmentError:
+    return AlignmentError(
+        f"verl's {where} is missing (verl version changed?), so rlalign-verl cannot align the actor and ref; "
+        f"install verl==0.9.1 (the version this plugin supports) or set alignment.regions=[]"
+    )
+
+
+def check_hook_target() -> None:
+    """Raise if verl's FSDP engine no longer has the method the worker hook wraps (driver-side check).
+
+    Reads the module's source instead of importing it: importing verl's engine resolves verl's device
+    platform, which must happen in the workers, not on the driver.
+    """
+    import ast
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("verl")  # a top-level spec: imports nothing
+    root = os.path.dirname(spec.origin) if spec is not None and spec.origin else ""
+    path = os.path.join(root, *ENGINE_MODULE.split(".")[1:]) + ".py"
+    if not os.path.isfile(path):
+        raise _hook_target_error(f"module {ENGINE_MODULE}")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "FSDPEngine":
+            if any(isinstance(n, ast.FunctionDef) and n.name == "_build_module" for n in node.body):
+                return
+    raise _hook_target_error(f"{ENGINE_MODULE}.FSDPEngine._build_module")
+
+
 def wrap_fsdp_engine(engine_module: ModuleType) -> None:
-    """Wrap ``FSDPEngine._build_module`` in verl's FSDP engine module (idempotent)."""
+    """Wrap ``FSDPEngine._build_module`` in verl's FSDP engine module (idempotent).
+
+    A missing target raises: the worker must not go on training unaligned.
+    """
     cls = getattr(engine_module, "FSDPEngine", None)
     build = getattr(cls, "_build_module", None)
     if build is None:
-        logger.error(
-            "verl's %s has no FSDPEngine._build_module (verl version changed?): alignment cannot be applied",
-            engine_module.__name__,
-        )
-        return
+        err = _hook_target_error(f"{engine_module.__name__}.FSDPEngine._build_module")
+        logger.error("%s", err)
+        raise err
     if getattr(build, _WRAPPED, False):
         return
 
