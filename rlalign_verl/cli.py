@@ -8,8 +8,8 @@ import sys
 
 # subcommand -> module exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
-    "diagnose": "rlalign_verl.diagnose",
-    "report": "rlalign_verl.report",
+    "diagnose": "rlalign_verl.diagnose.command",
+    "report": "rlalign_verl.diagnose.report",
 }
 
 

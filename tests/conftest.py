@@ -49,14 +49,14 @@ class EngineRollouts:
     mode: str
     model_dir: Path
     path: Path
-    header: object  # rlalign_verl.rollouts.RolloutHeader
-    rollouts: list  # list[rlalign_verl.rollouts.Rollout]
+    header: object  # rlalign_verl.diagnose.rollouts.RolloutHeader
+    rollouts: list  # list[rlalign_verl.diagnose.rollouts.Rollout]
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``tiny_checkpoint(arch="qwen2") -> Path`` of a built tiny HF checkpoint."""
-    from rlalign_verl.tiny import build_tiny_checkpoint
+    from rlalign_verl.diagnose.tiny import build_tiny_checkpoint
 
     fresh = os.environ.get("RLALIGN_TEST_FRESH_TINY") == "1"
     built: dict[str, Path] = {}
@@ -88,9 +88,14 @@ def engine_rollouts(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., EngineRollouts]:
     """Factory: ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts`` (cached per session)."""
-    from rlalign_verl.engine import EngineJob, EngineUnavailableError, engine_distribution, run_engine_jobs
-    from rlalign_verl.rollouts import read_rollouts
-    from rlalign_verl.tiny import tiny_prompts
+    from rlalign_verl.diagnose.rollouts import read_rollouts
+    from rlalign_verl.diagnose.runner import (
+        EngineJob,
+        EngineUnavailableError,
+        engine_distribution,
+        run_engine_jobs,
+    )
+    from rlalign_verl.diagnose.tiny import tiny_prompts
 
     cache: dict[tuple[str, str], EngineRollouts] = {}
     out_dir = tmp_path_factory.mktemp("engine_rollouts")

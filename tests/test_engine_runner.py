@@ -1,4 +1,4 @@
-"""The real vLLM engine wrapper (rlalign_verl.engine) and the rollout dump format (rlalign_verl.rollouts)."""
+"""The real vLLM engine wrapper (rlalign_verl.diagnose.runner) and the rollout dump format (rlalign_verl.diagnose.rollouts)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlalign_verl.rollouts import (
+from rlalign_verl.diagnose.rollouts import (
     FORMAT_KIND,
     Rollout,
     RolloutFormatError,
@@ -110,7 +110,7 @@ def test_dump_header_errors(tmp_path):
 
 
 def test_no_engine_is_a_clear_error(monkeypatch, tmp_path):
-    import rlalign_verl.engine as engine
+    import rlalign_verl.diagnose.runner as engine
 
     monkeypatch.setattr(engine, "engine_distribution", lambda: None)
     job = engine.EngineJob(
@@ -181,7 +181,7 @@ def test_compiled_and_eager_sample_the_same_tokens_with_different_logprobs(engin
 def test_generate_rollouts_is_deterministic_and_batch_invariant(engine_rollouts, tmp_path):
     """A second engine run on a subset of the prompts, with fewer tokens, samples the same tokens (per-
     request seeds) and writes a dump that reads back."""
-    from rlalign_verl.engine import generate_rollouts
+    from rlalign_verl.diagnose.runner import generate_rollouts
 
     ref = engine_rollouts("qwen2", "eager")
     prompts = [r.prompt_ids for r in ref.rollouts[:4]]

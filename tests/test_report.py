@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl import report
+from rlalign_verl.diagnose import report
 
 Tracking = pytest.importorskip("verl.utils.tracking").Tracking
 pytest.importorskip("tensorboard")

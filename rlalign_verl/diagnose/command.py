@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import AlignmentError, ProfileMismatchError, UnsupportedModelError, VocabularyMismatchError
-from .regions import REGIONS, normalize_regions
+from ..errors import AlignmentError, ProfileMismatchError, UnsupportedModelError, VocabularyMismatchError
+from ..regions import REGIONS, normalize_regions
 
 DEFAULT_SETTINGS = "none,rope,swiglu,rmsnorm,all"
 KEY_METRICS = (
@@ -203,7 +203,7 @@ class _Run:
 def _check_model(model_dir: Path) -> Any:
     from transformers import AutoConfig, AutoTokenizer
 
-    from .families import SUPPORTED_MODEL_TYPES
+    from ..families import SUPPORTED_MODEL_TYPES
 
     if not (model_dir / "config.json").is_file():
         raise AlignmentError(
@@ -229,7 +229,7 @@ def _check_model(model_dir: Path) -> Any:
 
 
 def _resolve_profile_for_engine(name: str | None, dist: tuple[str, str]) -> Any:
-    from .profiles import get_profile
+    from ..profiles import get_profile
 
     profile = get_profile(name or "vllm-cpu")
     if not (profile.engine == "vllm" and profile.device == "cpu"):
@@ -242,7 +242,7 @@ def _resolve_profile_for_engine(name: str | None, dist: tuple[str, str]) -> Any:
 
 
 def _resolve_dump_profile(name: str | None, header: Any, path: Path) -> Any:
-    from .profiles import PROFILES, get_profile
+    from ..profiles import PROFILES, get_profile
 
     if name is None:
         if header.profile not in PROFILES:
@@ -295,7 +295,7 @@ def _recompute(model, rollouts: list, desc: str, floor: Any = None) -> list:
 def _metrics(train: list, rollouts: list) -> tuple[dict[str, float], list[float]]:
     import torch
 
-    from .metrics import compute_mismatch_metrics
+    from ..metrics import compute_mismatch_metrics
 
     n = max(len(r.response_ids) for r in rollouts)
     t = torch.zeros(len(rollouts), n, dtype=torch.float32)
@@ -349,11 +349,11 @@ def op_probe(model, *, seed: int = 0, tokens: int = 64) -> dict[str, Any]:
     """
     import torch
 
+    from ..profiles import PROFILES
+    from ..regions.rmsnorm import add_rms_norm, rms_norm
+    from ..regions.rope import apply_rope, rope_table
+    from ..regions.swiglu import swiglu
     from . import engine_ops as eo
-    from .profiles import PROFILES
-    from .regions.rmsnorm import add_rms_norm, rms_norm
-    from .regions.rope import apply_rope, rope_table
-    from .regions.swiglu import swiglu
 
     cfg = model.config
     bf = torch.bfloat16
@@ -507,8 +507,8 @@ def _diagnose(
 ) -> dict[str, Any]:
     import torch
 
-    from .engine import INSTALL_HINT, EngineJob, EngineUnavailableError, engine_distribution, run_engine_jobs
     from .rollouts import read_rollouts
+    from .runner import INSTALL_HINT, EngineJob, EngineUnavailableError, engine_distribution, run_engine_jobs
     from .tiny import build_tiny_checkpoint, tiny_prompts
 
     t_start = time.time()
@@ -573,7 +573,7 @@ def _diagnose(
         run_info = _Run(model_dir, profile, header, rollouts, "engine", dump)
 
     # 2. recompute
-    from .patch import apply_alignment, remove_alignment
+    from ..patch import apply_alignment, remove_alignment
 
     if threads is None:
         threads = 1 if config.hidden_size <= 1024 else torch.get_num_threads()

@@ -264,7 +264,7 @@ def build_tiny_checkpoint(arch: str = "qwen2", path: str | Path | None = None, *
     and renamed into place, so an interrupted build never leaves a half-written checkpoint.
     """
     if arch not in SPECS:
-        from .errors import UnsupportedModelError
+        from ..errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"no tiny model for architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}"

@@ -1,8 +1,8 @@
 """Generation with the real installed vLLM engine (the CPU build on CPU machines), in a child process.
 
 vLLM spawns its own engine-core process and keeps memory for its lifetime, so the engine always runs
-in a fresh child (``python -m rlalign_verl.engine --jobs FILE``) that writes one JSONL rollout dump
-(:mod:`rlalign_verl.rollouts`) per job and exits. Callers stay simple and get all memory back.
+in a fresh child (``python -m rlalign_verl.diagnose.runner --jobs FILE``) that writes one JSONL rollout dump
+(:mod:`rlalign_verl.diagnose.rollouts`) per job and exits. Callers stay simple and get all memory back.
 
 One child runs several jobs one after another (one ``LLM`` per job, shut down before the next),
 which saves the interpreter start and the ``import vllm`` (5-7 s) per extra job.
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EngineUnavailableError
+from ..errors import EngineUnavailableError
 from .rollouts import Rollout, RolloutHeader, read_rollouts, write_rollouts
 
 ENGINE_ENV: dict[str, str] = {
@@ -119,7 +119,7 @@ def run_engine_jobs(
         spec = Path(tmp) / "jobs.json"
         spec.write_text(json.dumps([asdict(j) for j in jobs]))
         log = Path(log_path) if log_path else Path(tmp) / "engine.log"
-        cmd = [sys.executable, "-m", "rlalign_verl.engine", "--jobs", str(spec)]
+        cmd = [sys.executable, "-m", "rlalign_verl.diagnose.runner", "--jobs", str(spec)]
         with log.open("w") as lf:
             try:
                 proc = subprocess.run(
@@ -307,7 +307,7 @@ def _run_job(job: EngineJob) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Child entry point: ``python -m rlalign_verl.engine --jobs JOBS.json``."""
+    """Child entry point: ``python -m rlalign_verl.diagnose.runner --jobs JOBS.json``."""
     ap = argparse.ArgumentParser(description="run vLLM generation jobs and write rollout dumps (internal)")
     ap.add_argument("--jobs", required=True, help="JSON list of EngineJob objects")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Line 1 is a header object (``"kind": "rlalign-rollouts"``) describing the engine run; every further
 line is one sample. Written by ``rlalign-verl diagnose --write-rollouts`` and by
-:mod:`rlalign_verl.engine`; read by ``rlalign-verl diagnose --rollout-logprobs`` so rollouts captured
+:mod:`rlalign_verl.diagnose.runner`; read by ``rlalign-verl diagnose --rollout-logprobs`` so rollouts captured
 on another machine (e.g. a GPU box) can be diagnosed anywhere. See docs/diagnose.md.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import RolloutFormatError
+from ..errors import RolloutFormatError
 
 FORMAT_KIND = "rlalign-rollouts"
 FORMAT_VERSION = 1
