@@ -130,10 +130,12 @@ class MoeRounding:
 
 # vLLM CPU: torch.ops._C.cpu_fused_moe (an opaque custom op on both execution paths) keeps both GEMM
 # outputs fp32, rounds silu(g)*u once, sums w_k*d_k in fp32; CPURouter._softmax_topk takes the top-k of
-# the bf16 logits and softmaxes those k (torch.softmax on bf16: output rounded to bf16, then .float()).
+# the bf16 logits and softmaxes those k. Eager: torch.softmax on bf16 rounds its output, then .float();
+# compiled: the router is inside the Inductor graph, which drops that bf16 round trip (weights stay fp32).
 CPU_FUSED_MOE = MoeRounding(
     expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
 )
+CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32")
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ VLLM_CPU = EngineProfile(
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=1, mean=Mean.MEAN),
     residual=Residual.NEVER,
     qk_norm_rounded_before_rope=False,
-    moe=CPU_FUSED_MOE,
+    moe=CPU_FUSED_MOE_COMPILED,
     engine="vllm",
     device="cpu",
     verified=(
@@ -363,7 +365,9 @@ SGLANG = EngineProfile(
     ),
 )
 
-PROFILES: dict[str, EngineProfile] = {p.name: p for p in (VLLM, VLLM_EAGER, VLLM_CPU, VLLM_CPU_EAGER, SGLANG, HF)}
+PROFILES: dict[str, EngineProfile] = {
+    p.name: p for p in (VLLM, VLLM_EAGER, VLLM_CPU, VLLM_CPU_EAGER, SGLANG, HF)
+}
 DEFAULT_PROFILE = "vllm"
 
 

@@ -28,8 +28,13 @@ def route(
             vals, idx = torch.topk(logits, top_k, dim=-1)
             if renormalize:
                 w = torch.softmax(vals.float(), dim=-1)  # .float(): torch.softmax on bf16 computes in fp32
+            elif rounding.weights_dtype == "bf16":
+                # eager bf16 ops, each output rounded: R(exp(R(v - R(logsumexp(logits)))))
+                w = (vals - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
             else:
-                w = (vals.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+                # compiled: logsumexp is a reduction whose bf16 output buffer is kept; the rest stays fp32
+                lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True).to(dtype)
+                w = (vals.float() - lse.float()).exp()
         else:
             # HF TopKRouter: fp32 softmax over all experts, top-k of the probabilities, divide by their sum
             probs = torch.softmax(logits.float(), dim=-1)  # .float(): HF's softmax(..., dtype=torch.float)

