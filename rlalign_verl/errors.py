@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 
 class AlignmentError(ValueError):
     """Base class of every configuration / input error raised by rlalign-verl."""
@@ -37,3 +41,34 @@ class EngineUnavailableError(AlignmentError):
 
 class VocabularyMismatchError(AlignmentError):
     """The tokenizer and the model disagree on the vocabulary."""
+
+
+class ConfigFormatError(AlignmentError):
+    """A setting or file of the wrong type or shape (not a mapping, not a boolean, malformed JSON)."""
+
+
+class MetricsInputError(AlignmentError):
+    """Inputs to the mismatch metrics that are not tensors of one ``[batch, response_len]`` shape."""
+
+
+class AlignmentOverriddenError(AlignmentError):
+    """Something (e.g. Liger kernels) replaced the aligned forwards after ``apply_alignment``."""
+
+
+PREFIX = "[rlalign-verl] ERROR"
+
+
+def one_line(err: BaseException) -> str:
+    """``[rlalign-verl] ERROR <Type>: <message>`` on one line (newlines in the message folded)."""
+    text = " ".join(str(err).split())
+    return f"{PREFIX} {type(err).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def exit_on_error(code: int = 2) -> Iterator[None]:
+    """Turn an :class:`AlignmentError` raised inside into one :func:`one_line` on stderr and ``exit(code)``."""
+    try:
+        yield
+    except AlignmentError as err:
+        print(one_line(err), file=sys.stderr, flush=True)
+        raise SystemExit(code) from None

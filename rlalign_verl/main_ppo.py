@@ -3,6 +3,7 @@
 verl's PPO/GRPO entry point with our primary config (verl's ``ppo_trainer`` + the ``alignment``
 group). The alignment settings are validated on the driver first; then verl's own ``main`` body runs
 unchanged (device choice, verl's validation, ``run_ppo`` with verl's TaskRunner).
+An alignment error is one ``[rlalign-verl] ERROR <Type>: <fix>`` line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ from typing import Any
 import hydra
 
 from .verl.config import validate_config
+from .verl.one_line import one_line_errors
 
 
 @hydra.main(config_path="configs", config_name="rlalign_ppo_trainer", version_base=None)
 def main(config: Any) -> None:
-    """Validate the alignment settings, then run verl's ``main_ppo.main`` on the same config."""
-    validate_config(config)
+    """Validate the alignment settings, then run verl's ``main_ppo.main`` on the same config.
+
+    A bad setting ends the run with one ``[rlalign-verl] ERROR ...`` line and exit code 2 (no stack;
+    ``HYDRA_FULL_ERROR=1`` shows the raw exception).
+    """
+    with one_line_errors():
+        validate_config(config)
     from verl.trainer import main_ppo as verl_main_ppo
 
     # verl's hydra-decorated main; __wrapped__ is its plain body (functools.wraps in hydra.main).

@@ -17,11 +17,20 @@ the importance ratio ``r = pi_train / pi_rollout``) the keys are:
   (tokens inside the mask whose log-prob is NaN/inf in either input: excluded, counted).
 
 Empty input (no valid token): only the three counts are returned (all statistics absent, no NaN).
+Every value is finite: a per-token log-ratio beyond ``finfo(work dtype).max ** 0.25`` nats (about 1e77 in
+float64; only garbage inputs such as -1e200 log-probs reach it) is clamped there, so ``d^2`` sums cannot
+overflow. Inputs that are not tensors of one 2-D shape, or a clip range that is not a number, raise
+:class:`~rlalign_verl.errors.MetricsInputError` (a ``ValueError``) naming the fix.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+
+from .errors import MetricsInputError
 
 __all__ = ["compute_mismatch_metrics", "sorted_quantiles", "METRIC_NAMES", "COUNT_NAMES"]
 
@@ -59,6 +68,39 @@ def _work_dtype(device: torch.device) -> torch.dtype:
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 -> fp32 (exact, and a fast path on CPU); fp32/fp64 unchanged."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _check_tensor(name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise MetricsInputError(
+            f"compute_mismatch_metrics: {name} is a {type(value).__name__}, not a torch.Tensor; "
+            f"convert it with torch.as_tensor({name})"
+        )
+    if value.is_complex() or value.device.type == "meta":
+        raise MetricsInputError(
+            f"compute_mismatch_metrics: {name} is a {value.dtype} tensor on {value.device}; pass real log-probs "
+            f"holding data (e.g. {name}.float() on cpu or cuda)"
+        )
+
+
+def _clip_eps(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise MetricsInputError(
+            f"compute_mismatch_metrics: {name}={value!r} is not a finite number >= 0; give e.g. {name}=0.2"
+        )
+    return float(value)
+
+
+def _check_inputs(train: Any, rollout: Any, mask: Any) -> None:
+    for name, value in (("train_log_probs", train), ("rollout_log_probs", rollout), ("response_mask", mask)):
+        _check_tensor(name, value)
+    shapes = (tuple(train.shape), tuple(rollout.shape), tuple(mask.shape))
+    if len(set(shapes)) != 1 or len(shapes[0]) != 2:
+        raise MetricsInputError(
+            "compute_mismatch_metrics needs train_log_probs, rollout_log_probs and response_mask of one "
+            f"[batch, response_len] shape; got {shapes[0]}, {shapes[1]} and {shapes[2]}. Pass the response "
+            "part only (verl: batch['old_log_probs'], batch['rollout_log_probs'], batch['response_mask'])."
+        )
 
 
 def sorted_quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
@@ -104,17 +146,13 @@ def compute_mismatch_metrics(
         With no valid token only ``num_tokens``, ``num_seqs`` and ``nonfinite_tokens`` are returned.
 
     Raises:
-        ValueError: the three tensors do not share one 2-D shape.
+        MetricsInputError: an input is not a tensor, the three do not share one 2-D shape, or a clip
+            ratio is not a finite number >= 0.
     """
-    shapes = (tuple(train_log_probs.shape), tuple(rollout_log_probs.shape), tuple(response_mask.shape))
-    if len(set(shapes)) != 1 or len(shapes[0]) != 2:
-        raise ValueError(
-            "compute_mismatch_metrics needs train_log_probs, rollout_log_probs and response_mask of one "
-            f"[batch, response_len] shape; got {shapes[0]}, {shapes[1]} and {shapes[2]}. Pass the response "
-            "part only (verl: batch['old_log_probs'], batch['rollout_log_probs'], batch['response_mask'])."
-        )
-    eps_low = float(clip_ratio if clip_ratio_low is None else clip_ratio_low)
-    eps_high = float(clip_ratio if clip_ratio_high is None else clip_ratio_high)
+    _check_inputs(train_log_probs, rollout_log_probs, response_mask)
+    eps = _clip_eps("clip_ratio", clip_ratio)
+    eps_low = eps if clip_ratio_low is None else _clip_eps("clip_ratio_low", clip_ratio_low)
+    eps_high = eps if clip_ratio_high is None else _clip_eps("clip_ratio_high", clip_ratio_high)
 
     device = train_log_probs.device
     dtype = _work_dtype(device)
@@ -141,10 +179,12 @@ def compute_mismatch_metrics(
     # Statistics over the valid tokens only (1-D), so NaN/inf and padding never enter a reduction.
     t = train[valid].to(dtype)
     r = rollout[valid].to(dtype)
-    d = t - r
+    bound = torch.finfo(dtype).max ** 0.25  # |d| <= bound keeps every sum of d^2 finite
+    d = (t - r).nan_to_num(posinf=bound, neginf=-bound).clamp(-bound, bound)
     abs_d = d.abs()
     ratio = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-    prob_abs = (t.exp() - r.exp()).abs()
+    # a (bad) positive log-prob above _MAX_LOG_RATIO would give exp() = inf
+    prob_abs = (t.clamp(max=_MAX_LOG_RATIO).exp() - r.clamp(max=_MAX_LOG_RATIO).exp()).abs()
     clipped = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
     seq_abs = torch.zeros(valid.shape, dtype=dtype, device=device).masked_scatter_(valid, d).sum(dim=1).abs()
     seq_abs = seq_abs[has_tokens]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AlignmentError, LigerConflictError
+from ..options import parse_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
 
@@ -40,22 +41,6 @@ LIGER_FLAGS = ("--ds.use_liger_kernel", "--use_liger_kernel")
 IS_CORRECTION_LEVEL_FLAGS = ("--algo.advantage.is_correction_level",)
 IS_CORRECTION_SWITCH_FLAGS = ("--algo.advantage.is_correction_enable", "--enable_vllm_is_correction")
 VLLM_ENGINES_FLAGS = ("--vllm.num_engines", "--vllm_num_engines")
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def parse_bool(value: Any, *, name: str = "value") -> bool:
-    """``true/false/1/0/yes/no/on/off`` (any case) or a bool; a clear error otherwise."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise AlignmentError(f"{name}={value!r} is not a boolean; use true or false")
-
 
 @dataclass(frozen=True)
 class Settings:

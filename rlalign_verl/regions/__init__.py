@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from ..errors import UnknownRegionError
+from ..errors import ConfigFormatError, UnknownRegionError
 
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 ALL_REGIONS = REGIONS
@@ -19,8 +19,13 @@ def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
         return ()
     if isinstance(regions, str):
         items = [r for r in regions.replace(" ", "").split(",") if r]
-    else:
+    elif isinstance(regions, Iterable) and not isinstance(regions, Mapping | bytes):
         items = [str(r).strip() for r in regions]
+    else:
+        raise ConfigFormatError(
+            f"regions={regions!r} is a {type(regions).__name__}, not a list of region names; give e.g. "
+            f"alignment.regions=[rope,swiglu,rmsnorm] (OpenRLHF: --alignment.regions rope,swiglu,rmsnorm)"
+        )
     names = {r.lower() for r in items}
     if names == {"all"}:
         return REGIONS

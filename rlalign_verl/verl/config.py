@@ -6,14 +6,15 @@ Runs on the driver before Ray starts (from :mod:`rlalign_verl.main_ppo`, and fro
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import AlignmentError, ProfileMismatchError, UnknownProfileError
+from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError, UnknownProfileError
+from ..options import option_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
+from .checks import check_alignment_node, json_setting, local_config_json, read_config_json
 from .log import logger
 
 REGIONS_KEY = "rlalign_regions"
@@ -60,20 +61,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_CC_NAME = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
+
+
 def _custom_ops(compilation_config: Any) -> list[str]:
-    cc = _plain(compilation_config)
-    if isinstance(cc, str):
-        cc = json.loads(cc) if cc.strip() else {}
-    ops = (cc or {}).get("custom_ops") or []
+    ops = json_setting(_plain(compilation_config), name=_CC_NAME).get("custom_ops") or []
+    if isinstance(ops, str) or not isinstance(ops, list | tuple):
+        raise ConfigFormatError(f"{_CC_NAME}.custom_ops={ops!r} is not a list; give e.g. [\"+rms_norm\"]")
     return [str(op).strip() for op in ops]
 
 
 def _compile_disabled(compilation_config: Any) -> bool:
     """vLLM compilation mode/level 0 (NONE): no Inductor, every CustomOp runs its kernel."""
-    cc = _plain(compilation_config)
-    if isinstance(cc, str):
-        cc = json.loads(cc) if cc.strip() else {}
-    cc = cc or {}
+    cc = json_setting(_plain(compilation_config), name=_CC_NAME)
     mode = cc.get("mode", cc.get("level"))
     return mode is not None and str(mode).strip().upper() in ("0", "NONE", "NO_COMPILATION")
 
@@ -162,6 +162,7 @@ def resolve_alignment_config(
     profile that contradicts ``actor_rollout_ref.rollout.name``.
     """
     alignment = _select(config, "alignment")
+    check_alignment_node(alignment)
     if alignment is None:
         return (), None, "no alignment config (add +alignment=default): alignment off"
     regions = normalize_regions(_plain(_select(config, "alignment.regions")))
@@ -174,7 +175,11 @@ def resolve_alignment_config(
             on_cuda = cuda_available()
         name, reason = choose_profile(
             rollout_name,
-            enforce_eager=bool(_select(config, "actor_rollout_ref.rollout.enforce_eager", False)),
+            enforce_eager=option_bool(
+                _select(config, "actor_rollout_ref.rollout.enforce_eager"),
+                name="actor_rollout_ref.rollout.enforce_eager",
+                default=False,
+            ),
             compilation_config=_select(
                 config, "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
             ),
@@ -203,11 +208,10 @@ def _model_type(config: Any) -> str | None:
     )
     if not path:
         return None
-    local = os.path.expanduser(str(path))
-    cfg_file = os.path.join(local, "config.json")
-    if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
-            return json.load(f).get("model_type")
+    cfg_file = local_config_json(path)
+    if cfg_file is not None:
+        model_type = read_config_json(cfg_file).get("model_type")
+        return None if model_type is None else str(model_type)
     try:
         from transformers import AutoConfig
 
@@ -252,7 +256,7 @@ def _check_metrics(config: Any) -> None:
     check_metrics_config(config)
 
 
-def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str | None) -> None:
+def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str | None, compile_: bool) -> None:
     """Put the resolved settings where the actor and ref workers read them (HF config attributes)."""
     from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -271,7 +275,7 @@ def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str |
             node[ENGINE_KEY] = profile
         else:  # alignment off: an explicit [] also overrides a stale value in the checkpoint's config.json
             node.pop(ENGINE_KEY, None)
-        if regions and bool(_select(config, "alignment.compile", False)):
+        if regions and compile_:
             node[COMPILE_KEY] = True
         else:
             node.pop(COMPILE_KEY, None)
@@ -306,8 +310,10 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
     if done is not None and done[0] is config:
         return done[1]
     regions, profile, reason = resolve_alignment_config(config, on_cuda=on_cuda)
+    compile_ = option_bool(_select(config, "alignment.compile"), name="alignment.compile", default=False)
     if regions:
-        if _select(config, "actor_rollout_ref.model.use_liger", False):
+        use_liger = _select(config, "actor_rollout_ref.model.use_liger")
+        if option_bool(use_liger, name="actor_rollout_ref.model.use_liger", default=False):
             from ..errors import LigerConflictError
 
             raise LigerConflictError(
@@ -340,7 +346,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                 profile,
             )
     _check_metrics(config)
-    _write_worker_settings(config, regions, profile)
+    _write_worker_settings(config, regions, profile, compile_)
     if regions:
         logger.info(
             "alignment regions=%s profile=%s (%s); actor and ref are patched, critic untouched",

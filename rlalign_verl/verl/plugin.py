@@ -37,8 +37,10 @@ def _wrap_validate_config(module: ModuleType) -> None:
     @functools.wraps(original)
     def validate_config(config: Any, *args: Any, **kwargs: Any) -> Any:
         from .config import validate_config as validate_alignment
+        from .one_line import one_line_errors
 
-        validate_alignment(config)  # ours first: alignment errors before anything else
+        with one_line_errors():
+            validate_alignment(config)  # ours first: alignment errors before anything else
         return original(config, *args, **kwargs)
 
     setattr(validate_config, _WRAPPED, True)

@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from rlalign_verl.errors import AlignmentError
+from rlalign_verl.options import option_bool
 from rlalign_verl.verl.log import logger as _plugin_logger
 
 # A child of the plugin's logger (always visible at INFO, see rlalign_verl/verl/log.py).
@@ -36,6 +38,7 @@ logger = _plugin_logger.getChild("metrics")
 __all__ = [
     "TRAINER_MODULES",
     "step_mismatch_metrics",
+    "loggable",
     "install_trainer_callback",
     "uninstall_trainer_callback",
     "is_installed",
@@ -75,7 +78,14 @@ def _cfg_get(node: Any, path: str, default: Any = None) -> Any:
 def metrics_enabled(config: Any) -> bool:
     """True when the config has an ``alignment`` section whose ``metrics`` option is on (default on)."""
     alignment = _cfg_get(config, "alignment")
-    return alignment is not None and bool(_cfg_get(alignment, "metrics", True))
+    if alignment is None:
+        return False
+    return option_bool(_cfg_get(alignment, "metrics"), name="alignment.metrics", default=True)
+
+
+def _log_probs_on(config: Any) -> bool:
+    name = "actor_rollout_ref.rollout.calculate_log_probs"
+    return option_bool(_cfg_get(config, name), name=name, default=False)
 
 
 def _clip_range(config: Any) -> tuple[float, float, float]:
@@ -84,6 +94,32 @@ def _clip_range(config: Any) -> tuple[float, float, float]:
     low = float(_cfg_get(actor, "clip_ratio_low", clip))
     high = float(_cfg_get(actor, "clip_ratio_high", clip))
     return clip, low, high
+
+
+PREFIX = "mismatch/"
+
+
+def loggable(metrics: dict[str, Any]) -> dict[str, float]:
+    """The entries of ``metrics`` every verl logger accepts: ``mismatch/*`` keys with finite Python floats.
+
+    Tensors (0-d or one element), numpy and Python numbers become ``float``; other keys, non-numbers and
+    NaN/inf are dropped with one warning naming them.
+    """
+    out: dict[str, float] = {}
+    dropped = []
+    for key, value in metrics.items():
+        try:
+            number = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):
+            number = math.nan
+        if isinstance(key, str) and key.startswith(PREFIX) and math.isfinite(number):
+            out[key] = number
+        else:
+            dropped.append(f"{key}={value!r}"[:80])
+    if dropped:
+        logger.warning("dropped %d metric(s) that are not finite numbers under %s: %s", len(dropped), PREFIX,
+                       ", ".join(dropped[:5]))  # fmt: skip
+    return out
 
 
 def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
@@ -95,7 +131,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
     Never raises.
     """
     try:
-        if not bool(_cfg_get(config, "alignment.metrics", True)):
+        if not metrics_enabled(config):
             return {}
         from rlalign_verl.metrics import compute_mismatch_metrics
 
@@ -124,7 +160,9 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
             clip_ratio=clip,
             clip_ratio_low=low,
             clip_ratio_high=high,
-            quantiles=bool(_cfg_get(config, "alignment.metrics_quantiles", True)),
+            quantiles=option_bool(
+                _cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True
+            ),
         )
         if out.get("mismatch/num_tokens", 0) == 0 and out.get("mismatch/nonfinite_tokens", 0) > 0:
             logger.warning(
@@ -132,7 +170,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
                 "rollout); only the counts are logged",
                 out["mismatch/nonfinite_tokens"],
             )
-        return out
+        return loggable(out)
     except Exception as exc:  # never stop training
         logger.warning("mismatch metrics skipped for this step: %s: %s", type(exc).__name__, exc)
         return {}
@@ -142,7 +180,8 @@ def check_metrics_config(config: Any) -> None:
     """Raise ``AlignmentError`` when mismatch metrics are on but the rollout does not return log-probs."""
     if not metrics_enabled(config):
         return
-    if _cfg_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False) is not True:
+    option_bool(_cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True)
+    if not _log_probs_on(config):
         raise AlignmentError(
             "alignment.metrics=true needs the rollout log-probs: set "
             "actor_rollout_ref.rollout.calculate_log_probs=True (or alignment.metrics=false)."
@@ -170,7 +209,7 @@ def _start_run(config: Any) -> Any:
         )
         if not on:
             return None
-        if _cfg_get(config, "actor_rollout_ref.rollout.calculate_log_probs", False) is not True:
+        if not _log_probs_on(config):
             logger.warning(
                 "actor_rollout_ref.rollout.calculate_log_probs is off: no mismatch/* metrics "
                 "will be logged; set actor_rollout_ref.rollout.calculate_log_probs=True"
@@ -192,7 +231,9 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
         result = original(data, *args, **kwargs)
         config = _ACTIVE_CONFIG.get()
         if config is not None:
-            extra = step_mismatch_metrics(data, config)
+            extra = loggable(step_mismatch_metrics(data, config))
+            # add, never overwrite: verl's own keys (e.g. training/rollout_probs_diff_mean) stay as they are
+            extra = {k: v for k, v in extra.items() if k not in result}
             if extra:
                 result = {**result, **extra}
         return result

@@ -75,7 +75,7 @@ def test_bad_input_gives_errors_that_name_the_fix():
         parse_launcher_args(["--alignment.regions", "rope", "--alignment.engine", "trtllm"])
     with pytest.raises(AlignmentError, match=r"unknown flag\(s\) \['--alignment.region'\]"):
         parse_launcher_args(["--alignment.region", "rope", *OPENRLHF_FLAGS])
-    with pytest.raises(AlignmentError, match="not a boolean; use true or false"):
+    with pytest.raises(AlignmentError, match="not a boolean; use --alignment.metrics=true or --alignment.metrics=false"):
         parse_launcher_args(["--alignment.metrics", "maybe"])
     for liger in ("--ds.use_liger_kernel", "--use_liger_kernel"):
         with pytest.raises(LigerConflictError, match="drop --ds.use_liger_kernel"):

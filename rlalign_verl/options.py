@@ -1,0 +1,34 @@
+"""Strict parsing of option values that arrive as text (Hydra overrides, CLI flags, env vars)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigFormatError
+
+TRUE_WORDS = ("true", "yes", "on", "1")
+FALSE_WORDS = ("false", "no", "off", "0")
+
+
+def parse_bool(value: Any, *, name: str = "value") -> bool:
+    """A bool from ``True/False``, ``0/1`` or ``true/false/yes/no/on/off/1/0`` (any case).
+
+    Anything else raises ``ConfigFormatError`` naming ``name`` and a valid spelling: ``bool(str)`` would
+    turn ``"false"`` and ``"off"`` into True.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in TRUE_WORDS:
+            return True
+        if text in FALSE_WORDS:
+            return False
+    raise ConfigFormatError(f"{name}={value!r} is not a boolean; use {name}=true or {name}=false")
+
+
+def option_bool(value: Any, *, name: str, default: bool) -> bool:
+    """:func:`parse_bool`, with ``None`` (unset) meaning ``default``."""
+    return default if value is None else parse_bool(value, name=name)

@@ -1,0 +1,81 @@
+"""Type and format checks of the verl-side inputs, each failing with one line that names the fix.
+
+Run on the driver (from :mod:`rlalign_verl.verl.config`) before Ray or any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigFormatError
+
+SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
+"""The override that makes verl's own entry point find the ``alignment`` config group."""
+
+
+def check_alignment_node(node: Any) -> None:
+    """Raise unless the composed ``alignment`` node is a mapping (or absent).
+
+    Without :data:`SEARCHPATH`, verl's entry point turns ``+alignment=all`` into the *string* ``"all"``:
+    the group was never loaded, and the run would go on unaligned.
+    """
+    if node is None or isinstance(node, Mapping):
+        return
+    raise ConfigFormatError(
+        f"alignment is {type(node).__name__} {node!r}, not the alignment group's mapping: with verl's entry "
+        f"point add {SEARCHPATH} before +alignment=<name> (or use python -m rlalign_verl.main_ppo "
+        f"alignment=<name>)"
+    )
+
+
+def json_setting(value: Any, *, name: str) -> dict:
+    """A JSON-object setting given as a mapping, a JSON string or nothing; ``{}`` when empty."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigFormatError(
+                f"{name} is not valid JSON ({err.msg} at char {err.pos}); give a JSON object, e.g. "
+                f"{name}='{{\"mode\": 0}}', or a config mapping"
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigFormatError(
+            f"{name} is a {type(value).__name__}, not a JSON object / mapping; give e.g. {name}='{{\"mode\": 0}}'"
+        )
+    return dict(value)
+
+
+def read_config_json(path: str) -> dict:
+    """The JSON object in a checkpoint's ``config.json``; a one-line error when it is broken."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigFormatError(
+            f"cannot read {path} ({type(err).__name__}: {err}); check actor_rollout_ref.model.path"
+        ) from None
+    except json.JSONDecodeError as err:
+        raise ConfigFormatError(
+            f"{path} is not valid JSON ({err.msg}, line {err.lineno} column {err.colno}; truncated?); "
+            f"re-save the checkpoint or point actor_rollout_ref.model.path at a complete one"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigFormatError(
+            f"{path} holds a JSON {type(data).__name__}, not an object with model_type; point "
+            f"actor_rollout_ref.model.path at a Hugging Face checkpoint directory"
+        )
+    return data
+
+
+def local_config_json(path: Any) -> str | None:
+    """``<path>/config.json`` when ``path`` is a local directory holding one, else None."""
+    local = os.path.expanduser(str(path))
+    cfg_file = os.path.join(local, "config.json")
+    return cfg_file if os.path.isfile(cfg_file) else None

@@ -1,0 +1,214 @@
+"""Bad verl-side inputs: one row per input -> exception type and a fragment of the one-line fix.
+
+Driver validation (``rlalign_verl.verl.config.validate_config``) on verl's real composed config, and
+both entry points as a user runs them: one ``[rlalign-verl] ERROR`` line, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+
+from hydra import compose, initialize_config_module  # noqa: E402
+from omegaconf import OmegaConf, open_dict  # noqa: E402
+
+from rlalign_verl.errors import (  # noqa: E402
+    ConfigFormatError,
+    LigerConflictError,
+    UnknownRegionError,
+    one_line,
+)
+from rlalign_verl.verl.config import validate_config  # noqa: E402
+
+pytestmark = pytest.mark.verl
+
+SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
+CC = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A checkpoint directory as the driver reads it: only config.json's model_type matters there."""
+    path = tmp_path_factory.mktemp("ckpt") / "qwen2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_act": "silu"}))
+    return path
+
+
+def _ours(*overrides: str):
+    with initialize_config_module(config_module="rlalign_verl.configs", version_base=None):
+        return compose("rlalign_ppo_trainer", overrides=list(overrides))
+
+
+def _verl_bare(*overrides: str):
+    """verl's own ppo_trainer, as verl's entry point composes it *without* our search path."""
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=list(overrides))
+
+
+def _set(cfg, key: str, value) -> None:
+    with open_dict(cfg):
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+
+
+# id -> (overrides, {dotted key: value set after composing}, model config.json text or None,
+#        expected exception type, fragment of the message)
+BAD = {
+    "alignment group string (no search path)": (None, {}, None, ConfigFormatError, SEARCHPATH),
+    "regions=5": (["alignment.regions=5"], {}, None, ConfigFormatError, "alignment.regions=[rope"),
+    "regions mapping": ([], {"alignment.regions": {"a": 1}}, None, ConfigFormatError, "not a list of region names"),
+    "regions typo": (["alignment.regions=[rope,swigl]"], {}, None, UnknownRegionError, "valid regions"),
+    "metrics=maybe": (["alignment.metrics=maybe"], {}, None, ConfigFormatError, "alignment.metrics=false"),
+    "metrics=2": (["alignment.metrics=2"], {}, None, ConfigFormatError, "alignment.metrics=true"),
+    "compile=maybe": (["alignment.compile=maybe"], {}, None, ConfigFormatError, "alignment.compile=false"),
+    "quantiles=sometimes": (
+        ["+alignment.metrics_quantiles=sometimes"], {}, None, ConfigFormatError, "alignment.metrics_quantiles="
+    ),
+    "enforce_eager=perhaps": (
+        ["actor_rollout_ref.rollout.enforce_eager=perhaps"], {}, None, ConfigFormatError, "enforce_eager=true"
+    ),
+    "use_liger='yes' is on": (["actor_rollout_ref.model.use_liger=yes"], {}, None, LigerConflictError, "use_liger=False"),
+    "compilation_config malformed JSON": ([], {CC: '{"mode": 0'}, None, ConfigFormatError, "not valid JSON"),
+    "compilation_config a list": ([], {CC: [1, 2]}, None, ConfigFormatError, "not a JSON object"),
+    "compilation_config JSON list": ([], {CC: "[0]"}, None, ConfigFormatError, "not a JSON object"),
+    "custom_ops a string": ([], {CC: {"custom_ops": "all"}}, None, ConfigFormatError, "custom_ops='all' is not a list"),
+    "config.json truncated": ([], {}, '{"model_type": "qw', ConfigFormatError, "truncated?"),
+    "config.json a list": ([], {}, '[{"model_type": "qwen2"}]', ConfigFormatError, "JSON list"),
+    "config.json binary": ([], {}, "\udcff\udcfe\x00", ConfigFormatError, "cannot read"),
+}
+
+
+def _build(case: str, model_dir: Path, tmp_path: Path):
+    overrides, updates, config_json, _, _ = BAD[case]
+    path = str(model_dir)
+    if config_json is not None:
+        path = tmp_path / "broken"
+        path.mkdir()
+        (path / "config.json").write_bytes(config_json.encode("utf-8", "surrogateescape"))
+    base = [f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.rollout.name=vllm"]
+    if overrides is None:
+        cfg = _verl_bare("+alignment=all", *base)
+    else:
+        cfg = _ours("alignment.regions=[rope,swiglu,rmsnorm]", *base, *overrides)
+    for key, value in updates.items():
+        _set(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_verl_input_is_a_one_line_error(case, model_dir, tmp_path):
+    *_, exc_type, fragment = BAD[case]
+    cfg = _build(case, model_dir, tmp_path)
+    with pytest.raises(exc_type) as info:
+        validate_config(cfg, on_cuda=False)
+    line = one_line(info.value)
+    assert fragment in line, line
+    assert "\n" not in line and line.startswith(f"[rlalign-verl] ERROR {exc_type.__name__}: ")
+
+
+# Strict booleans: each spelling -> (mismatch metrics on, compiled regions sent to the workers)
+SPELLINGS = {
+    "off": False, "'false'": False, "no": False, "0": False, "False": False,
+    "on": True, "'true'": True, "yes": True, "1": True, "TRUE": True,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_boolean_spellings_are_parsed_strictly(spelling, model_dir):
+    want = SPELLINGS[spelling]
+    cfg = _ours(
+        "alignment.regions=[rope]",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.rollout.calculate_log_probs=false",
+        f"alignment.metrics={spelling}",
+        f"alignment.compile={spelling}",
+    )
+    if want:  # metrics on without rollout log-probs: refused, and the fix names a spelling that works
+        with pytest.raises(Exception, match=r"alignment\.metrics=false") as info:
+            validate_config(cfg, on_cuda=False)
+        cfg = _ours(
+            "alignment.regions=[rope]",
+            "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "alignment.metrics=false",
+            f"alignment.compile={spelling}",
+        )
+        assert "calculate_log_probs=True" in str(info.value)
+    validate_config(cfg, on_cuda=False)
+    override = OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config, resolve=True)
+    assert override.get("rlalign_compile", False) is want
+
+
+# --- entry points as a user runs them --------------------------------------------------------------
+
+_DRIVER = """
+import runpy, sys
+import verl.trainer.constants_ppo as constants
+
+def stop_before_ray(config):
+    print("REACHED_RUN_PPO", flush=True)
+    raise SystemExit(0)
+
+constants.get_ppo_ray_runtime_env = stop_before_ray
+for argv in {runs!r}:
+    sys.argv = [argv[0] + ".py", *argv[1:]]
+    print("=== case", flush=True)
+    print("=== case", file=sys.stderr, flush=True)
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        print("EXIT", exc.code, flush=True)
+"""
+
+MINIMAL = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=2",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.name=vllm",
+]
+
+# id -> (argv, fragment of the one error line)
+ENTRY = {
+    "verl entry, +alignment=all without search path": (
+        ["verl.trainer.main_ppo", "+alignment=all"], SEARCHPATH
+    ),
+    "verl entry, liger": (
+        ["verl.trainer.main_ppo", SEARCHPATH, "+alignment=all", "actor_rollout_ref.model.use_liger=true"],
+        "use_liger=False",
+    ),
+    "our entry, metrics=maybe": (["rlalign_verl.main_ppo", "alignment=all", "alignment.metrics=maybe"], "alignment.metrics"),
+    "our entry, regions=5": (["rlalign_verl.main_ppo", "alignment.regions=5"], "alignment.regions=[rope"),
+}
+
+
+def test_entry_points_print_one_line_and_exit_2(model_dir):
+    runs = [[*argv, *MINIMAL, f"actor_rollout_ref.model.path={model_dir}"] for argv, _ in ENTRY.values()]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _DRIVER.format(runs=runs)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    stdouts = out.stdout.split("=== case\n")[1:]
+    stderrs = out.stderr.split("=== case\n")[1:]
+    assert len(stdouts) == len(stderrs) == len(ENTRY), out.stdout[-2000:] + out.stderr[-2000:]
+    for (case, (_, fragment)), so, se in zip(ENTRY.items(), stdouts, stderrs, strict=True):
+        assert "REACHED_RUN_PPO" not in so, case
+        assert so.strip().splitlines()[-1] == "EXIT 2", (case, so)
+        errors = [ln for ln in se.splitlines() if ln.startswith("[rlalign-verl] ERROR")]
+        assert len(errors) == 1 and fragment in errors[0], (case, se[-2000:])
+        assert "Traceback" not in se and "HYDRA_FULL_ERROR" not in se, (case, se[-2000:])
