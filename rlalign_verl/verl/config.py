@@ -212,10 +212,11 @@ def _model_type(config: Any) -> str | None:
     if cfg_file is not None:
         model_type = read_config_json(cfg_file).get("model_type")
         return None if model_type is None else str(model_type)
+    name = "actor_rollout_ref.model.trust_remote_code"
+    trust = option_bool(_select(config, name), name=name, default=False)
     try:
         from transformers import AutoConfig
 
-        trust = bool(_select(config, "actor_rollout_ref.model.trust_remote_code", False))
         return AutoConfig.from_pretrained(str(path), trust_remote_code=trust).model_type
     except Exception as err:  # the worker checks again (apply_alignment raises there)
         logger.warning(
@@ -292,7 +293,7 @@ def _kernels(config: Any) -> str:
     value = str(_select(config, "alignment.kernels", "torch") or "torch").strip().lower()
     if value not in KERNELS:
         raise AlignmentError(f"alignment.kernels={value!r}: use torch (default) or triton")
-    if value == "triton" and bool(_select(config, "alignment.compile", False)):
+    if value == "triton" and option_bool(_select(config, "alignment.compile"), name="alignment.compile", default=False):
         raise AlignmentError("alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one")
     return value
 
