@@ -384,7 +384,9 @@ def test_legacy_trainer_fit_logs_mismatch_every_step(trainer_modules, tmp_path, 
         if rollout_is:
             assert any(k.startswith("rollout_corr/") for k in logged)
     banner = [r.getMessage() for r in warnings_log.records if "alignment regions=" in r.getMessage()]
-    assert banner == ["alignment regions=rope,swiglu,rmsnorm profile=auto; mismatch metrics (mismatch/*) on"]
+    # the config skipped the driver's validation and has no rollout.name: the callback says why it has no profile
+    assert len(banner) == 1 and banner[0].startswith("alignment regions=rope,swiglu,rmsnorm profile=auto (unresolved: ")
+    assert banner[0].endswith("; mismatch metrics (mismatch/*) on")
 
 
 @pytest.mark.parametrize("setting", ["metrics=false", "no alignment section"])

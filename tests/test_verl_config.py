@@ -230,11 +230,14 @@ def test_resolve_from_config_auto_and_explicit():
         "alignment.regions=[rmsnorm]", "alignment.engine=vllm-eager", "actor_rollout_ref.rollout.name=vllm"
     )
     assert resolve_alignment_config(cfg, on_cuda=False)[1] == "vllm-eager"
-    assert resolve_alignment_config(compose_ours(), on_cuda=True) == (
+    vllm = "actor_rollout_ref.rollout.name=vllm"
+    assert resolve_alignment_config(compose_ours(vllm), on_cuda=True) == (
         (),
         None,
-        "alignment.regions is empty: alignment off",
+        "alignment.regions is empty: alignment off (profile would be vllm)",
     )
+    # a baseline run still names the profile the workers would use (not "auto")
+    assert resolve_alignment_config(compose_ours(vllm), on_cuda=False)[2].endswith("(profile would be vllm-cpu)")
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -474,3 +477,19 @@ def test_error_hook_target_moved(qwen2_path, monkeypatch):
     monkeypatch.setattr(model_hook, "ENGINE_MODULE", "verl.workers.engine.fsdp.moved_away")
     with pytest.raises(AlignmentError, match=r"install verl==0\.9\.1"):
         validate_config(_valid(qwen2_path), on_cuda=False)
+
+
+def test_baseline_banner_names_the_resolved_profile(monkeypatch):
+    """regions=[]: the trainer's start-up line names the profile the workers would use, never `auto`."""
+    from rlalign_verl.verl import trainer_callback
+    from rlalign_verl.verl.config import would_use_profile
+
+    lines = []
+    monkeypatch.setattr(trainer_callback.logger, "info", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr("rlalign_verl.verl.config.cuda_available", lambda: False)
+    trainer_callback._start_run(compose_ours("actor_rollout_ref.rollout.name=vllm"))
+    assert lines == ["alignment regions=none (baseline) profile=vllm-cpu; mismatch metrics (mismatch/*) on"]
+    eager = compose_ours("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True")
+    assert would_use_profile(eager, on_cuda=True) == "vllm-eager"
+    unresolved = would_use_profile(compose_ours("actor_rollout_ref.rollout.name=trtllm"), on_cuda=False)
+    assert unresolved.startswith("auto (unresolved: ") and "alignment.engine" in unresolved

@@ -167,7 +167,14 @@ def resolve_alignment_config(
         return (), None, "no alignment config (add +alignment=default): alignment off"
     regions = normalize_regions(_plain(_select(config, "alignment.regions")))
     if not regions:
-        return (), None, "alignment.regions is empty: alignment off"
+        would = would_use_profile(config, on_cuda=on_cuda)
+        return (), None, f"alignment.regions is empty: alignment off (profile would be {would})"
+    name, reason = _resolve_profile(config, on_cuda=on_cuda)
+    return regions, name, reason
+
+
+def _resolve_profile(config: Any, *, on_cuda: bool | None = None) -> tuple[str, str]:
+    """``(profile_name, reason)`` for ``alignment.engine`` (``auto``: from the rollout settings)."""
     engine = str(_select(config, "alignment.engine", "auto") or "auto").strip().lower()
     rollout_name = _select(config, "actor_rollout_ref.rollout.name")
     if engine == "auto":
@@ -185,7 +192,7 @@ def resolve_alignment_config(
             ),
             on_cuda=on_cuda,
         )
-        return regions, get_profile(name).name, f"alignment.engine=auto: {reason}"
+        return get_profile(name).name, f"alignment.engine=auto: {reason}"
     try:
         profile = get_profile(engine)
     except UnknownProfileError as err:
@@ -198,7 +205,18 @@ def resolve_alignment_config(
             f"alignment.engine={profile.name} is a {profile.engine} profile but actor_rollout_ref.rollout.name="
             f"{rollout}; use alignment.engine=auto (or a {rollout} profile) or change rollout.name"
         )
-    return regions, profile.name, f"alignment.engine={profile.name} (set explicitly)"
+    return profile.name, f"alignment.engine={profile.name} (set explicitly)"
+
+
+def would_use_profile(config: Any, *, on_cuda: bool | None = None) -> str:
+    """The profile the workers would use if regions were on (for a baseline run's start-up line).
+
+    Never raises: an unresolvable setting gives ``"auto (unresolved: <why>)"``.
+    """
+    try:
+        return _resolve_profile(config, on_cuda=on_cuda)[0]
+    except AlignmentError as err:
+        return f"auto (unresolved: {err})"
 
 
 def _model_type(config: Any) -> str | None:

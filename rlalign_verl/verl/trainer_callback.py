@@ -198,8 +198,10 @@ def _start_run(config: Any) -> Any:
         regions = [regions] if isinstance(regions, str) else list(regions)
         # The driver writes the resolved profile (engine=auto -> a name) into the model's override_config.
         profile = _cfg_get(config, "actor_rollout_ref.model.override_config.rlalign_engine")
-        if profile is None or str(profile) == "auto":
-            profile = _cfg_get(alignment, "engine", "auto")
+        if profile is None or str(profile) == "auto":  # baseline (regions=[]): name what would be used
+            from .config import would_use_profile
+
+            profile = would_use_profile(config)
         on = metrics_enabled(config)
         logger.info(
             "alignment regions=%s profile=%s; mismatch metrics (mismatch/*) %s",
