@@ -60,7 +60,7 @@ def prepare(out_dir: str | Path, *, arch: str = "qwen2", num_prompts: int = 64) 
     """Build (or reuse) the tiny checkpoint and write the train/val parquet files; return the paths."""
     import pandas as pd
 
-    from ..tiny import build_tiny_checkpoint
+    from ..diagnose.tiny import build_tiny_checkpoint
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
