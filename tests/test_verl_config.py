@@ -322,6 +322,17 @@ def test_error_unsupported_model(tmp_path):
         validate_config(cfg, on_cuda=True)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_validate_accepts_moe_and_rejects_expert_parallel(tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    args = ("alignment.regions=[rope,swiglu]", "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={tmp_path}")  # fmt: skip
+    assert validate_config(compose_ours(*args), on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
+    with pytest.raises(AlignmentError, match=r"expert_parallel_size=4: .*expert_parallel_size=1") as err:
+        validate_config(compose_ours(*args, "actor_rollout_ref.rollout.expert_parallel_size=4"), on_cuda=False)
+    assert "\n" not in str(err.value)
+
+
 def test_error_profile_contradicts_rollout(qwen2_path):
     with pytest.raises(ProfileMismatchError, match="rollout.name=sglang"):
         validate_config(

@@ -200,6 +200,27 @@ def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
     assert any("(role=ref, rank 0)" in ln for ln in lines)
 
 
+@pytest.mark.verl
+def test_verl_fsdp_engine_aligns_tiny_qwen3_moe_actor(tiny_checkpoint):
+    """The same engine path builds an aligned tiny Qwen3-MoE actor (routed experts patched too)."""
+    pytest.importorskip("verl")
+    out = subprocess.run(
+        [sys.executable, __file__, "engine", str(tiny_checkpoint("qwen3_moe"))],
+        capture_output=True,
+        text=True,
+        env=dict(ENV, VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VERL_LOGGING_LEVEL="WARNING"),
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for case, r in results.items():
+        assert r["actor"] == {"regions": ["rope", "swiglu", "rmsnorm"], "profile": "vllm-cpu"}, (case, r)
+        assert r["critic"] is None, (case, r)
+        assert r["actor_logits_change_when_removed"] > 0 and r["actor_logits_finite"], (case, r)
+        assert "Qwen3MoeExperts" in r["actor_bound"], (case, r)
+    assert any("aligned Qwen3MoeForCausalLM (role=actor, rank 0)" in ln for ln in out.stderr.splitlines())
+
+
 def _engine_child(model_path: str) -> None:
     """Build actor, ref and critic with verl's EngineRegistry/FSDPEngine on CPU (shims: see docs/verl.md)."""
     import contextlib
@@ -366,6 +387,7 @@ def _engine_child(model_path: str) -> None:
             "critic": state(critic),
             "actor_logits_change_when_removed": float((aligned_logits - plain_logits).abs().max()),
             "actor_logits_finite": bool(torch.isfinite(aligned_logits).all()),
+            "actor_bound": sorted({type(m).__name__ for m in actor.module.modules() if "forward" in m.__dict__}),
             # read once, then removed: saved HF checkpoints must not carry the switch
             "flags_left": [
                 key

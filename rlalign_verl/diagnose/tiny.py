@@ -26,7 +26,7 @@ from pathlib import Path
 TINY_VERSION = 1
 """Bump when the recipe changes: the cache directory name carries it."""
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama")
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
 
 VOCAB_SIZE = 1024
 EOS_TOKEN = "<|endoftext|>"
@@ -62,6 +62,12 @@ class TinySpec:
     weight_std: float = 0.08
     embed_std: float = 0.5
     lm_head_std: float = 0.25
+    num_experts: int = 0
+    """MoE only: routed experts per layer, ``top_k`` of them per token, each of width ``moe_intermediate``."""
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    """Qwen2-MoE: the sigmoid-gated shared expert's width."""
 
 
 SPECS: dict[str, TinySpec] = {
@@ -71,6 +77,14 @@ SPECS: dict[str, TinySpec] = {
     "qwen3": TinySpec("qwen3", 320, 864, 4, 4, 2, 64, rope_theta=1_000_000.0),
     # Llama: 6 heads of 64 = 384 (non-power-of-two), rope_theta 10000 as in Llama 2.
     "llama": TinySpec("llama", 384, 1024, 4, 6, 2, 64, rope_theta=10_000.0),
+    # MoE: 8 experts, top-2, every layer sparse; widths multiples of 32 (vLLM's CPU expert kernels).
+    "qwen3_moe": TinySpec(
+        "qwen3_moe", 256, 512, 4, 4, 2, 64, rope_theta=1_000_000.0, num_experts=8, top_k=2, moe_intermediate=256
+    ),
+    "qwen2_moe": TinySpec(
+        "qwen2_moe", 256, 512, 4, 4, 2, 64, rope_theta=1_000_000.0, num_experts=8, top_k=2,
+        moe_intermediate=256, shared_expert_intermediate=512,
+    ),  # fmt: skip
 }
 
 
@@ -194,9 +208,13 @@ def _make_config(spec: TinySpec, vocab_size: int, eos_id: int):
     elif spec.arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=False, use_sliding_window=False)
         cls = "Qwen3ForCausalLM"
-    else:
+    elif spec.arch == "llama":
         cfg = LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
         cls = "LlamaForCausalLM"
+    else:
+        from .tiny_moe import moe_config
+
+        cfg, cls = moe_config(spec, common)
     cfg.architectures = [cls]
     return cfg
 
@@ -304,6 +322,10 @@ def _write_checkpoint(out: Path, spec: TinySpec, seed: int) -> None:
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config = _make_config(spec, vocab_size, eos_id)
     state = _tiny_state_dict(config, spec, seed)
+    if spec.num_experts:
+        from .tiny_moe import per_expert_keys
+
+        state = per_expert_keys(state)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -319,6 +319,17 @@ def _kernels(config: Any) -> str:
 _validated: dict[int, tuple[Any, tuple[tuple[str, ...], str | None]]] = {}
 
 
+def _check_expert_parallel(config: Any) -> None:
+    """MoE: the rollout must run every expert of a token on one rank (its combine is what we mirror)."""
+    key = "actor_rollout_ref.rollout.expert_parallel_size"
+    size = _select(config, key, 1)
+    if size not in (None, 1):
+        raise AlignmentError(
+            f"{key}={size}: MoE alignment mirrors experts combined on one rank only (expert parallel sums the "
+            f"ranks' partial outputs in bf16); set {key}=1 or alignment.regions=[]"
+        )
+
+
 def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[str, ...], str | None]:
     """Check the alignment settings against the rest of the verl config; raise a clear error if wrong.
 
@@ -355,7 +366,8 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
         if model_type is not None:
             from ..families import get_family
 
-            get_family(model_type)
+            if get_family(model_type).experts is not None:
+                _check_expert_parallel(config)
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"
