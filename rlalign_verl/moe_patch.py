@@ -16,7 +16,7 @@ from torch import nn
 
 from .errors import UnsupportedModelError
 from .families import ModelFamily
-from .profiles import HF, MoeRounding
+from .profiles import HF, PROFILES, EngineProfile, MoeRounding
 from .regions.moe import mix_experts, route
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
@@ -32,10 +32,18 @@ _ROUTER_ATTRS = {
 }
 
 
-def check_moe_config(config: object, family: ModelFamily) -> None:
+def check_moe_config(
+    config: object, family: ModelFamily, profile: EngineProfile, regions: tuple[str, ...]
+) -> None:
     """One-line error for MoE settings the alignment cannot follow (raised before any patching)."""
     if family.experts is None:
         return
+    if profile.moe is None and {"swiglu", "moe"} & set(regions):
+        known = ", ".join(p.name for p in PROFILES.values() if p.moe is not None)
+        raise UnsupportedModelError(
+            f"{family.model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
+            f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
+        )
     for attr, plain in _ROUTER_ATTRS.items():
         value = getattr(config, attr, None)
         if value not in plain:
@@ -46,7 +54,7 @@ def check_moe_config(config: object, family: ModelFamily) -> None:
             )
 
 
-def effective_moe(profile_moe: MoeRounding, regions: tuple[str, ...]) -> MoeRounding:
+def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:
     """The profile's expert rounding where swiglu is aligned and router/combine where moe is, HF's elsewhere."""
     fields = {}
     if "swiglu" in regions:
@@ -76,7 +84,11 @@ def _router_forward(rounding: MoeRounding) -> Callable:
 
 
 def bind_moe(
-    model: nn.Module, family: ModelFamily, profile_moe: MoeRounding, regions: tuple[str, ...], bind: Callable
+    model: nn.Module,
+    family: ModelFamily,
+    profile_moe: MoeRounding | None,
+    regions: tuple[str, ...],
+    bind: Callable,
 ) -> None:
     """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances."""
     if family.experts is None or not ({"swiglu", "moe"} & set(regions)):

@@ -288,7 +288,7 @@ def _patch_instance(
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
     _check_not_liger(model, family)
-    check_moe_config(config, family)
+    check_moe_config(config, family, profile, regions)
 
     current = get_alignment(model)
     if current is not None:

@@ -161,8 +161,9 @@ class EngineProfile:
     verified: str
     """How the profile was established: what was run against which real op, or "read from source"."""
     sources: tuple[str, ...] = ()
-    moe: MoeRounding = MoeRounding()
-    """MoE experts, router and combine (HF's rounding unless the row says otherwise)."""
+    moe: MoeRounding | None = None
+    """MoE experts, router and combine; ``None``: not established for this path (MoE models then refuse
+    the swiglu and moe regions with this profile)."""
 
     def with_name(self, name: str, **changes: object) -> EngineProfile:
         """A copy under another name with some fields changed (for user-defined variants)."""
@@ -179,6 +180,7 @@ HF = EngineProfile(
     norm=NormRounding(Source.ROUNDED_SUM, Source.ROUNDED_SUM, output_roundings=2, mean=Mean.MEAN),
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
+    moe=MoeRounding(),
     engine="hf",
     device="any",
     verified="bit-identical logits to unpatched HF Qwen2/Qwen3/Llama (tests/test_patch_model.py)",

@@ -92,6 +92,36 @@ def test_swiglu_region_alone_changes_only_the_experts_and_mlps() -> None:
         assert bound(model) == {"Qwen3MoeExperts", "Qwen3MoeMLP"}
 
 
+def test_moe_region_binds_the_router_and_changes_the_routing_weights() -> None:
+    model = build("qwen3_moe")
+    with aligned(model, regions=ALL, engine="vllm-cpu-eager"):
+        base = logits(model)
+        assert "Qwen3MoeTopKRouter" not in bound(model)
+    with aligned(model, regions=(*ALL, "moe"), engine="vllm-cpu-eager"):
+        assert {"Qwen3MoeTopKRouter", "Qwen3MoeExperts"} <= bound(model)
+        assert get_alignment(model).regions == (*ALL, "moe")
+        with_moe = logits(model)
+    assert not torch.equal(with_moe, base)
+
+
+def test_all_excludes_the_opt_in_moe_region() -> None:
+    from rlalign_verl.regions import normalize_regions
+
+    assert normalize_regions("all") == ALL
+    assert normalize_regions("all,moe") == (*ALL, "moe")
+    assert normalize_regions(["moe", "rope"]) == ("rope", "moe")
+
+
+@pytest.mark.parametrize("regions", [("swiglu",), ("moe",)])
+def test_profile_without_moe_rounding_is_refused_for_experts(regions) -> None:
+    model = build("qwen2_moe")
+    with pytest.raises(UnsupportedModelError, match="no MoE expert/router rounding yet .*vllm-cpu") as err:
+        apply_alignment(model, regions=regions, engine="vllm")
+    assert "\n" not in str(err.value)
+    apply_alignment(model, regions=("rope", "rmsnorm"), engine="vllm")  # the dense regions still work
+    assert get_alignment(model).regions == ("rope", "rmsnorm")
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"scoring_func": "sigmoid"}, {"n_group": 4, "topk_group": 2}, {"routed_scaling_factor": 2.5}],

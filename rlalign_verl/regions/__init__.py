@@ -8,6 +8,8 @@ from ..errors import ConfigFormatError, UnknownRegionError
 
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 ALL_REGIONS = REGIONS
+OPT_IN_REGIONS: tuple[str, ...] = ("moe",)
+"""Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; no-op on dense models)."""
 
 
 def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
@@ -31,10 +33,12 @@ def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
         return REGIONS
     if names <= {"none"}:
         return ()
-    unknown = sorted(names - set(REGIONS))
+    if "all" in names:  # "all" plus an opt-in region, e.g. all,moe
+        names = (names - {"all"}) | set(REGIONS)
+    unknown = sorted(names - set(REGIONS) - set(OPT_IN_REGIONS))
     if unknown:
         raise UnknownRegionError(
-            f"unknown alignment region(s) {unknown}; valid regions: {list(REGIONS)} "
+            f"unknown alignment region(s) {unknown}; valid regions: {list(REGIONS + OPT_IN_REGIONS)} "
             f"(e.g. alignment.regions=[rope] or [rope,swiglu,rmsnorm])"
         )
-    return tuple(r for r in REGIONS if r in names)
+    return tuple(r for r in REGIONS + OPT_IN_REGIONS if r in names)
