@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import LigerConflictError, UnsupportedModelError
+from .errors import AlignmentError, LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
 from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
 from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
+from .regions.attention import attention_interface, check_attention_supported
+from .regions.lm_head import head_forward, parse_head_dtype
 from .regions.residual_stream import carry_for, check_stream, pack, unpack
 from .regions.rmsnorm import add_rms_norm, rms_norm
 from .regions.rope import apply_rope, rope_table
@@ -48,9 +50,15 @@ class AlignmentState:
     """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
     kernels: str = "torch"
     """SwiGLU/RoPE forwards on CUDA: ``"torch"`` fp32 ops (default) or the opt-in ``"triton"`` kernels."""
+    attention_variant: str = "engine-op"
+    """``attention`` region: ``engine-op`` or ``sdpa-fp32`` (:mod:`.regions.attention`)."""
+    head_dtype: str = "float32"
+    """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
+        extra += f" attention={self.attention_variant}" if "attention" in self.regions else ""
+        extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere
@@ -107,6 +115,9 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
     fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
     fp32_table = st.rope.table == "fp32"
     rotary_ref = weakref.ref(rotary)
+    # the hf profile keeps HF's own attention (aligning to it changes nothing)
+    on = "attention" in st.regions and st.profile.engine != "hf"
+    aligned_attn = attention_interface(st.attention_variant) if on else None
 
     def forward(
         self: nn.Module,
@@ -141,7 +152,9 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
 
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention = aligned_attn or ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention
+        )
         if hasattr(self, "sliding_window"):
             kwargs["sliding_window"] = self.sliding_window
         out, weights = attention(
@@ -274,7 +287,12 @@ def _base_model(model: nn.Module, family: ModelFamily) -> nn.Module:
 
 
 def _patch_instance(
-    model: nn.Module, regions: tuple[str, ...], profile: EngineProfile, compiled: bool = False, kernels: str = "torch"
+    model: nn.Module,
+    regions: tuple[str, ...],
+    profile: EngineProfile,
+    compiled: bool = False,
+    kernels: str = "torch",
+    **options: str,
 ) -> nn.Module:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -292,16 +310,16 @@ def _patch_instance(
 
     current = get_alignment(model)
     if current is not None:
-        if (current.regions, current.profile, current.compiled, current.kernels) == (regions, profile, compiled, kernels):
+        if current == AlignmentState(regions, profile, model_type, compiled, kernels, **options):
             return model  # idempotent
         _unpatch_instance(model)
     if not regions:
         return model
 
-    st = AlignmentState(regions=regions, profile=profile, model_type=model_type, compiled=compiled, kernels=kernels)
+    st = AlignmentState(regions, profile, model_type, compiled, kernels, **options)
     base = _base_model(model, family)
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
-    attn_needed = "rope" in regions or ("rmsnorm" in regions and family.qk_norm)
+    attn_needed = "rope" in regions or "attention" in regions or ("rmsnorm" in regions and family.qk_norm)
     swiglu_fn, rope_fn = _region_fns(st)
     attn_fwd = _attention_forward(st, family, base.rotary_emb, rope_fn) if attn_needed else None
     mlp_fwd = _mlp_forward(swiglu_fn) if "swiglu" in regions else None
@@ -316,6 +334,11 @@ def _patch_instance(
     bind_moe(model, family, profile.moe, regions, _bind)
     if layer_fwd:
         _bind(base.norm, _final_norm_forward(st))
+    if "lm_head" in regions and st.head_dtype == "float32":  # head_dtype "model": HF's bf16 head is the engine's
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear):
+            raise UnsupportedModelError(f"the lm_head region needs the *ForCausalLM model, not {type(model).__name__}")
+        _bind(head, head_forward(cuda_path=profile.device == "cuda"))
     model.__dict__[_STATE_ATTR] = st
     if base is not model:
         base.__dict__[_STATE_ATTR] = st
@@ -383,6 +406,8 @@ def apply_alignment(
     engine: str | EngineProfile = DEFAULT_PROFILE,
     compile: bool = False,
     kernels: str | None = None,
+    attention: str = "engine-op",
+    head_dtype: str | None = "float32",
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
@@ -391,13 +416,20 @@ def apply_alignment(
     working Inductor backend, i.e. a C++ compiler on CPU or Triton on GPU). ``kernels``: ``"torch"``
     (default; PyTorch fp32 ops) or ``"triton"`` (opt-in fused forwards on CUDA; ``None`` reads
     ``RLALIGN_TRITON=1``); not combinable with ``compile=True``.
+    Opt-in regions: ``attention`` (``attention="engine-op"`` or ``"sdpa-fp32"``; vLLM CPU profiles only) and
+    ``lm_head`` (``head_dtype``: the engine's head dtype, ``"float32"`` or ``"model"``; instance form only).
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
     regions_t = normalize_regions(regions)
     profile = get_profile(engine)
     kernels_ = resolve_kernels(kernels, compile=compile)
+    options = {"attention_variant": attention, "head_dtype": parse_head_dtype(head_dtype)}
+    if "attention" in regions_t:
+        check_attention_supported(profile, attention)
     if model is None:
+        if "lm_head" in regions_t:
+            raise AlignmentError("the lm_head region needs a model: call apply_alignment(model, ...) on the built model")
         if regions_t:
             _install_class_hooks(regions_t, profile, compile, kernels_)
         else:
@@ -407,7 +439,7 @@ def apply_alignment(
         if get_alignment(model) is not None:
             _unpatch_instance(model)
         return model
-    _patch_instance(model, regions_t, profile, compile, kernels_)
+    _patch_instance(model, regions_t, profile, compile, kernels_, **options)
     logger.debug("rlalign: aligned %s: %s", type(model).__name__, get_alignment(model).describe())
     return model
 
@@ -431,15 +463,25 @@ def aligned(
     engine: str | EngineProfile = DEFAULT_PROFILE,
     compile: bool = False,
     kernels: str | None = None,
+    attention: str = "engine-op",
+    head_dtype: str | None = "float32",
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = get_alignment(model) if model is not None else None
-    apply_alignment(model, regions=regions, engine=engine, compile=compile, kernels=kernels)
+    apply_alignment(
+        model, regions=regions, engine=engine, compile=compile, kernels=kernels, attention=attention, head_dtype=head_dtype
+    )
     try:
         yield model
     finally:
         remove_alignment(model)
         if previous is not None:
             apply_alignment(
-                model, regions=previous.regions, engine=previous.profile, compile=previous.compiled, kernels=previous.kernels
+                model,
+                regions=previous.regions,
+                engine=previous.profile,
+                compile=previous.compiled,
+                kernels=previous.kernels,
+                attention=previous.attention_variant,
+                head_dtype=previous.head_dtype,
             )

@@ -8,8 +8,9 @@ from ..errors import ConfigFormatError, UnknownRegionError
 
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 ALL_REGIONS = REGIONS
-OPT_IN_REGIONS: tuple[str, ...] = ("moe",)
-"""Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; no-op on dense models)."""
+OPT_IN_REGIONS: tuple[str, ...] = ("moe", "attention", "lm_head")
+"""Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; no-op on dense models),
+``attention`` (vLLM CPU profiles; :mod:`.attention`) and ``lm_head`` (the engine's head dtype; :mod:`.lm_head`)."""
 
 
 def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:

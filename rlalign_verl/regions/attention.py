@@ -1,0 +1,231 @@
+"""Attention region (opt-in): the trainer's attention rounds as the engine's attention kernel does.
+
+HF's bf16 SDPA rounds its intermediates (scores, probabilities) to bf16 in places the engine does not. The
+vLLM CPU build runs ``torch.ops._C.cpu_attention_with_kv_cache`` (``csrc/cpu/cpu_attn*.hpp``): q·k, the
+online softmax and p·v accumulate in fp32, and the output is rounded to bf16 once. Two variants:
+
+* ``engine-op`` (default): that very op, called on the training batch laid out as the engine's paged KV
+  cache (block size 128, the CPU platform's default), wrapped in an ``autograd.Function`` whose backward
+  is fp32 SDPA's (recomputed from the saved bf16 q/k/v; the output rounding is straight-through). Needs
+  vLLM's CPU extension in the training process.
+* ``sdpa-fp32``: ``F.scaled_dot_product_attention`` on fp32 copies of q/k/v, rounded once: the same
+  rounding locations, torch's own blocking (not always the same last bit). No vLLM needed.
+
+Sequences are read from ``position_ids``: a new sequence starts wherever a position does not continue the
+previous one (verl's packed remove-padding batches and left-padded rows both qualify; padding tokens
+become one-token sequences whose outputs the loss masks anyway). Without ``position_ids`` each batch row
+is one sequence.
+
+CUDA and SGLang profiles refuse this region (:func:`check_attention_supported`): their kernels
+(FlashAttention-2/3, FlashInfer) decode with split-KV partial softmaxes merged in an order set by the
+batch and the tile layout (``vllm/v1/attention/backends/flash_attn.py`` ``FlashAttentionImpl.forward``
+-> ``flash_attn_varlen_func`` with ``num_splits``/``scheduler_metadata``;
+``vllm/v1/attention/backends/flashinfer.py`` ``BatchDecodeWithPagedKVCacheWrapper`` /
+``BatchPrefillWithPagedKVCacheWrapper``; SGLang ``python/sglang/srt/layers/attention/flashinfer_backend.py``),
+so the per-token reduction order of decode differs from any training-side prefill; no verified path exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import AlignmentError
+from ..profiles import EngineProfile
+from ._precision import fp32_math
+
+ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
+DEFAULT_VARIANT = "engine-op"
+ENGINE_BLOCK_SIZE = 128
+"""vLLM CPU's default KV-cache block size (``vllm/platforms/cpu.py`` ``check_and_update_config``)."""
+
+
+class AttentionUnsupportedError(AlignmentError):
+    """The ``attention`` region was asked for on an engine path whose attention cannot be reproduced."""
+
+
+_REFUSAL = {
+    "vllm": (
+        "vLLM on GPUs runs FlashAttention/FlashInfer, whose decode merges split-KV partial softmaxes in a "
+        "batch- and tile-dependent order (vllm/v1/attention/backends/flash_attn.py, flashinfer.py)"
+    ),
+    "sglang": (
+        "SGLang runs FlashInfer/FA3 with split-KV decode in a batch- and tile-dependent order "
+        "(python/sglang/srt/layers/attention/flashinfer_backend.py)"
+    ),
+}
+
+
+def check_attention_supported(profile: EngineProfile, variant: str = DEFAULT_VARIANT) -> None:
+    """Raise a one-line error if ``profile``'s attention cannot be reproduced or ``variant`` is unknown."""
+    if variant not in ATTENTION_VARIANTS:
+        raise AttentionUnsupportedError(
+            f"unknown attention variant {variant!r}; use one of {list(ATTENTION_VARIANTS)}"
+        )
+    if profile.device == "cpu" and profile.engine == "vllm":
+        return
+    if profile.engine == "hf":
+        return  # aligning to HF keeps HF's own attention
+    why = _REFUSAL.get(profile.engine, f"no verified attention path for engine {profile.engine!r}")
+    raise AttentionUnsupportedError(
+        f"the attention region cannot be aligned to profile {profile.name!r}: {why}; drop 'attention' from "
+        f"the regions (rope, swiglu, rmsnorm and lm_head do work with this profile)"
+    )
+
+
+def sequence_ids(position_ids: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
+    """``[batch * seq]`` int64 ids, one per sequence, from where positions stop counting up by one."""
+    if position_ids is None:
+        return torch.arange(batch).repeat_interleave(seq)
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, seq)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return torch.cumsum(starts.reshape(-1).long(), 0) - 1
+
+
+def _segment_lengths(ids: torch.Tensor) -> torch.Tensor:
+    return torch.unique_consecutive(ids, return_counts=True)[1]
+
+
+# --- the engine's op --------------------------------------------------------------------------
+
+
+@functools.cache
+def _engine_isa(dtype: torch.dtype, head_dim: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, ENGINE_BLOCK_SIZE, head_dim)
+    if isa == "amx":
+        torch.cpu._init_amx()  # the kernel's AMX tiles need the OS permission oneDNN would otherwise request
+    return isa
+
+
+def engine_op_available() -> tuple[bool, str]:
+    """Whether vLLM's CPU attention op can be called here; the reason if not."""
+    try:
+        import vllm._C  # noqa: F401
+
+        torch.ops._C.cpu_attention_with_kv_cache  # noqa: B018
+    except Exception as e:  # noqa: BLE001 - any import/registration failure means "not here"
+        return False, f"{type(e).__name__}: {e}".splitlines()[0]
+    return True, ""
+
+
+def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """``cpu_attention_with_kv_cache`` on packed ``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` (causal per sequence).
+
+    The KV of each sequence is written into a paged cache of ``ENGINE_BLOCK_SIZE`` blocks with the
+    engine's own ``cpu_attn_reshape_and_cache``, as the engine's prefill does.
+    """
+    from vllm import envs
+
+    n, hq, d = q.shape
+    hkv, bs = k.shape[1], ENGINE_BLOCK_SIZE
+    lens = _segment_lengths(ids).to(torch.int32)
+    nseq = lens.shape[0]
+    nblk = (lens + bs - 1) // bs
+    max_blk = int(nblk.max())
+    first = torch.zeros(nseq, dtype=torch.int64)
+    first[1:] = torch.cumsum(nblk, 0)[:-1]
+    block_table = (first[:, None] + torch.arange(max_blk)[None, :]).to(torch.int32)
+    qsl = torch.zeros(nseq + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    tok = torch.arange(n) - qsl[:-1].long().repeat_interleave(lens.long())
+    slots = block_table.long()[ids, tok // bs] * bs + tok % bs
+    cache = torch.zeros(int(nblk.sum()), hkv, 2 * bs, d, dtype=k.dtype)
+    k_cache, v_cache = cache.chunk(2, dim=2)
+    isa = _engine_isa(q.dtype, d)
+    torch.ops._C.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
+    meta = torch.ops._C.get_scheduler_metadata(
+        nseq, hq, hkv, d, lens, q.dtype, qsl, True, -1, isa, envs.VLLM_CPU_ATTN_SPLIT_KV, None, "auto"
+    )
+    out = torch.empty_like(q)
+    torch.ops._C.cpu_attention_with_kv_cache(
+        q, k_cache, v_cache, out, qsl, lens, scale, True, None, -1, block_table, 0.0, meta, None, None,
+        1.0, 1.0, "auto",
+    )
+    return out
+
+
+# --- the fp32 SDPA emulation and the shared backward --------------------------------------------
+
+
+def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+    """Causal fp32 SDPA per sequence on packed fp32 ``q [N, Hq, D]``, ``k/v [N, Hkv, D]``; returns fp32.
+
+    One-token sequences (padding) attend to themselves only: their output is their ``v``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    out = []
+    for seg_q, seg_k, seg_v, n in zip(q.split(lens), k.split(lens), v.split(lens), lens, strict=True):
+        if n == 1:
+            out.append(seg_v.repeat_interleave(groups, dim=1))
+            continue
+        o = F.scaled_dot_product_attention(
+            seg_q.transpose(0, 1)[None], seg_k.transpose(0, 1)[None], seg_v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=groups > 1,
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+class _AttentionFn(torch.autograd.Function):
+    """Forward: the chosen variant, rounded once. Backward: fp32 SDPA's, recomputed from bf16 q/k/v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ids, scale, variant):  # type: ignore[override]
+        # q [N, Hq, D], k/v [N, Hkv, D] packed tokens -> [N, Hq, D] in q.dtype
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        ctx.lens = _segment_lengths(ids).tolist()
+        if variant == "engine-op":
+            return engine_attention(q.contiguous(), k.contiguous(), v.contiguous(), ids, scale)
+        with fp32_math(q):
+            # engine kernels accumulate scores, softmax and p.v in fp32 and round the output once
+            return _sdpa_fp32(q.float(), k.float(), v.float(), ctx.lens, scale).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad(), fp32_math(grad):
+            qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+            o = _sdpa_fp32(qf, kf, vf, ctx.lens, ctx.scale)
+            dq, dk, dv = torch.autograd.grad(o, (qf, kf, vf), grad.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def aligned_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    scale: float | None,
+    variant: str = DEFAULT_VARIANT,
+) -> torch.Tensor:
+    """Causal attention of HF-layout ``q [B, Hq, T, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, T, Hq, D]``."""
+    b, hq, t, d = q.shape
+    if k.shape[2] != t:
+        raise AlignmentError(
+            "the attention region covers full-sequence training forwards only (no KV cache); "
+            "generate without it or drop 'attention' from the regions"
+        )
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    ids = sequence_ids(position_ids, b, t).to(q.device)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
+
+    out = _AttentionFn.apply(packed(q), packed(k), packed(v), ids, scale, variant)
+    return out.view(b, t, hq, d)
+
+
+def attention_interface(variant: str = DEFAULT_VARIANT):
+    """An HF attention-interface function (``fn(module, q, k, v, mask, **kw) -> (out, None)``) for ``variant``."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        return aligned_attention(query, key, value, kwargs.get("position_ids"), scaling, variant), None
+
+    return attention
