@@ -44,16 +44,21 @@ def make_rows(n: int, *, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
-    """Rule reward in [0, 1]: the fraction of the prompt's words that appear in the response.
+    """Rule reward in [0, 1]: how much of the response copies the prompt's words.
 
-    Graded rather than all-or-nothing, so a random tiny policy's samples already differ in reward and
-    GRPO's group-normalized advantages are not all zero.
+    Half the fraction of the prompt's words that appear in the response, half the fraction of the
+    response's non-space characters that occur in those words. The character part is dense, so a
+    random tiny policy's samples already differ in reward and GRPO's group-normalized advantages are
+    not all zero (the word part alone is almost always 0 for a random policy).
     """
-    wanted = ground_truth.split()
-    if not wanted:
+    wanted = ground_truth.lower().split()
+    chars = [c for c in solution_str.lower() if not c.isspace()]
+    if not wanted or not chars:
         return 0.0
     said = set(solution_str.lower().split())
-    return sum(w in said for w in wanted) / len(wanted)
+    letters = set("".join(wanted))
+    words = sum(w in said for w in wanted) / len(wanted)
+    return 0.5 * words + 0.5 * sum(c in letters for c in chars) / len(chars)
 
 
 def prepare(out_dir: str | Path, *, arch: str = "qwen2", num_prompts: int = 64) -> dict[str, str]:
