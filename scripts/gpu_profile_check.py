@@ -47,6 +47,9 @@ from typing import Any
 
 import torch
 
+# the one bit-level comparison helper (pure torch), shared with diagnose and the tests
+from rlalign_verl.diagnose.probe import bit_identical, compare, ulp_distance  # noqa: F401
+
 CUDA_PROFILES = ("vllm-eager", "vllm", "sglang")
 HIDDEN_SIZES = (896, 1536, 2048, 3584, 4096)
 # intermediate sizes of real models with those hidden sizes (Qwen2.5-0.5B/1.5B, Qwen3-1.7B, Qwen2.5-7B, Llama-2-7B)
@@ -58,50 +61,6 @@ MAX_POSITION = 32768
 ROPE_THETA = 1_000_000.0
 EPS = 1e-6
 KERNEL_SHAPE = (2, 16, 300, 128)  # (batch, heads, tokens, head_dim) for the Triton kernel rows
-
-
-# --- comparison helpers (pure torch, CPU-testable) ---------------------------------------------
-
-
-def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """Map float bit patterns to integers whose order is the float order (+0 and -0 both map to 0)."""
-    if t.dtype in (torch.bfloat16, torch.float16):
-        i, mag = t.contiguous().view(torch.int16).to(torch.int64), 0x7FFF
-    elif t.dtype == torch.float32:
-        i, mag = t.contiguous().view(torch.int32).to(torch.int64), 0x7FFFFFFF
-    else:
-        raise TypeError(f"ULP distance needs bf16, fp16 or fp32 tensors, got {t.dtype}")
-    return torch.where(i < 0, -(i & mag), i)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise distance in ULPs of ``a``'s dtype (int64). A NaN against a non-NaN counts as 2**31."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
-    d = (_ordered_bits(a) - _ordered_bits(b)).abs()
-    na, nb = torch.isnan(a), torch.isnan(b)
-    d = torch.where(na & nb, torch.zeros_like(d), d)
-    return torch.where(na ^ nb, torch.full_like(d, 2**31), d)
-
-
-def bit_identical(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: same bit pattern (so +0 vs -0 differ, equal NaN payloads match)."""
-    width = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
-    return a.contiguous().view(width) == b.contiguous().view(width)
-
-
-def compare(engine: torch.Tensor, ours: torch.Tensor) -> dict[str, Any]:
-    """Fraction of bit-identical elements, count of differing ones, max and mean ULP distance."""
-    same = bit_identical(engine, ours)
-    ulp = ulp_distance(engine, ours)
-    n = same.numel()
-    return {
-        "n": n,
-        "identical": float(same.sum().item()) / max(n, 1),
-        "differing": int(n - same.sum().item()),
-        "max_ulp": int(ulp.max().item()) if n else 0,
-        "mean_ulp": float(ulp.double().mean().item()) if n else 0.0,
-    }
 
 
 # --- environment --------------------------------------------------------------------------------

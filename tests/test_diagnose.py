@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose.command import parse_settings, recommend
+from rlalign_verl.diagnose.options import parse_settings
+from rlalign_verl.diagnose.recommend import recommend
 from rlalign_verl.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
 from rlalign_verl.errors import UnknownRegionError
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlalign_verl.diagnose.probe import ulp_distance
 from rlalign_verl.profiles import get_profile
 from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
 from rlalign_verl.regions.rope import apply_rope, rope_table
@@ -39,13 +40,8 @@ def identical(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Max distance in bf16 ulps (sign-magnitude bit patterns)."""
-
-    def key(t):
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-
-    return int((key(a) - key(b)).abs().max())
+    """Max distance in bf16 ulps."""
+    return int(ulp_distance(a, b).max())
 
 
 def _inputs(seed: int, tokens: int, hidden: int):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,7 +117,8 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, *, compiled: bool = False
 
 
 @functools.cache
-def _rope_module(head_size: int, max_position: int, base: float, dtype: torch.dtype):
+def _rope_module(head_size: int, max_position: int, rope_items: tuple, dtype: torch.dtype):
+    """THE builder of vLLM's rotary embedding (``get_rope``), cached per shape, parameters and dtype."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
@@ -125,17 +127,55 @@ def _rope_module(head_size: int, max_position: int, base: float, dtype: torch.dt
             head_size,
             max_position=max_position,
             is_neox_style=True,
-            rope_parameters={"rope_type": "default", "rope_theta": base},
+            rope_parameters=dict(rope_items),
             dtype=dtype,
         )
 
 
+def rope_parameters(config: Any) -> dict:
+    """The ``rope_parameters`` vLLM reads from a HF config (``rope_theta`` and ``rope_type`` filled in)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
+
+
+def rope_for_config(config: Any, head_size: int, dtype: torch.dtype):
+    """The engine's rotary embedding module for a HF model config."""
+    items = tuple(sorted(rope_parameters(config).items()))
+    return _rope_module(head_size, int(config.max_position_embeddings), items, dtype)
+
+
+def _default_rope(head_size: int, max_position: int, base: float, dtype: torch.dtype):
+    return _rope_module(head_size, max_position, (("rope_theta", base), ("rope_type", "default")), dtype)
+
+
 def rope_cos_sin_cache(head_size: int, max_position: int, base: float, dtype: torch.dtype) -> torch.Tensor:
     """The engine's ``cos_sin_cache`` (``[max_position, head_size]``: cos half then sin half)."""
-    return _rope_module(head_size, max_position, base, dtype).cos_sin_cache
+    return _default_rope(head_size, max_position, base, dtype).cos_sin_cache
+
+
+def _rope_static(positions, q, k, head_size: int, rotary_dim: int, cache: torch.Tensor):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return RotaryEmbedding.forward_static(positions, q, k, head_size, rotary_dim, cache, True)
 
 
 @torch.no_grad()
+def apply_rope_module(
+    mod: Any, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *, compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run an engine rotary module on ``q, k`` of shape ``[tokens, heads * head_size]``.
+
+    Eager: the C++ op (``forward_cpu``, in place on copies); compiled: ``forward_static`` through Inductor.
+    """
+    if not compiled:
+        return mod.forward_cpu(positions, q.clone(), k.clone())
+    cache = mod.cos_sin_cache.to(q.dtype)
+    return _compiled(_rope_static)(positions, q, k, mod.head_size, mod.rotary_dim, cache)
+
+
 def rope(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -146,17 +186,9 @@ def rope(
     base: float,
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's rotary embedding on ``q, k`` of shape ``[tokens, heads * head_size]``.
-
-    Eager: the C++ op (``forward_cpu``, in place on copies); compiled: ``forward_static`` through Inductor.
-    """
-    mod = _rope_module(head_size, max_position, base, q.dtype)
-    if not compiled:
-        return mod.forward_cpu(positions, q.clone(), k.clone())
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    fn = _compiled(RotaryEmbedding.forward_static)
-    return fn(positions, q, k, head_size, head_size, mod.cos_sin_cache, True)
+    """vLLM's default rotary embedding (theta ``base``) on ``q, k`` of shape ``[tokens, heads * head_size]``."""
+    mod = _default_rope(head_size, max_position, base, q.dtype)
+    return apply_rope_module(mod, positions, q, k, compiled=compiled)
 
 
 # --- the floor: a HF model whose three regions run the engine's own ops ------------------------
@@ -210,29 +242,6 @@ def _floor_custom_ops():
     return hf_linear, hf_sdpa
 
 
-@functools.cache
-def _rope_for(head_size: int, max_position: int, rope_items: tuple, dtype: torch.dtype):
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        return get_rope(
-            head_size,
-            max_position=max_position,
-            is_neox_style=True,
-            rope_parameters=dict(rope_items),
-            dtype=dtype,
-        )
-
-
-def _rope_parameters(config) -> dict:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if "rope_theta" not in params:
-        params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", "default")
-    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()}
-
-
 class EngineFloor:
     """Forward of a HF Qwen2/Qwen3/Llama ``*ForCausalLM`` with the regions run by the engine's ops.
 
@@ -251,12 +260,7 @@ class EngineFloor:
         self.groups = int(attn.num_key_value_groups)
         self.eps = float(cfg.rms_norm_eps)
         dtype = model.model.embed_tokens.weight.dtype
-        self.rope_mod = _rope_for(
-            self.head_dim,
-            int(cfg.max_position_embeddings),
-            tuple(sorted(_rope_parameters(cfg).items())),
-            dtype,
-        )
+        self.rope_mod = rope_for_config(cfg, self.head_dim, dtype)
         self.cos_sin_cache = self.rope_mod.cos_sin_cache.to(dtype)
         self._linear, self._sdpa = _floor_custom_ops()
         # As the engine compiles: static weight shapes, only the token count dynamic (marked per call).
@@ -273,12 +277,9 @@ class EngineFloor:
         return _native("fused_add_rms_norm")(x, residual, w, self.eps)
 
     def _rope(self, positions, q, k):
-        if self.compiled:
-            from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-            return RotaryEmbedding.forward_static(
-                positions, q, k, self.head_dim, self.head_dim, self.cos_sin_cache, True
-            )
+        if self.compiled:  # inside the whole-graph compile: the native body, not a compiled op
+            m = self.rope_mod
+            return _rope_static(positions, q, k, m.head_size, m.rotary_dim, self.cos_sin_cache)
         return self.rope_mod.forward_cpu(positions, q.clone(), k.clone())
 
     def _silu_and_mul(self, gate, up):

@@ -21,6 +21,8 @@ from typing import Any
 
 from rlalign_verl.errors import AlignmentError
 
+from .files import atomic_target, prepare_out_dir, write_text
+
 __all__ = ["PANELS", "Panel", "Run", "load_run", "write_report", "add_parser", "run"]
 
 _SOURCES_HINT = (
@@ -84,23 +86,26 @@ def _as_float(value: Any) -> float | None:
 def _load_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
     by_key: dict[str, dict[int, float]] = {}
     good = bad = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                step, data = int(row["step"]), row["data"]
-                if not isinstance(data, dict):
-                    raise TypeError("data is not an object")
-            except (ValueError, KeyError, TypeError):
-                bad += 1
-                continue
-            good += 1
-            for key, value in data.items():
-                v = _as_float(value)
-                if v is not None:
-                    by_key.setdefault(key, {})[step] = v  # a resumed run's later line wins
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise AlignmentError(f"{path} is not a text JSONL file (binary content); {_SOURCES_HINT}") from None
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step, data = int(row["step"]), row["data"]
+            if not isinstance(data, dict):
+                raise TypeError("data is not an object")
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        good += 1
+        for key, value in data.items():
+            v = _as_float(value)
+            if v is not None:
+                by_key.setdefault(key, {})[step] = v  # a resumed run's later line wins
     if good == 0:
         raise AlignmentError(
             f"{path}: no verl metrics lines ({bad} unreadable); {_SOURCES_HINT}"
@@ -163,6 +168,8 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
 
 
 def _plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> bool:
+    from matplotlib.ticker import MaxNLocator
+
     drawn = False
     for run_, color in zip(runs, colors, strict=True):
         for key, style in zip(panel.keys, _LINESTYLES, strict=False):
@@ -178,11 +185,24 @@ def _plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> bo
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
-        if panel.logy and all(v > 0 for r in runs for k in panel.keys for _, v in r.series.get(k, [])):
-            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        values = [v for r in runs for k in panel.keys for _, v in r.series.get(k, [])]
+        if panel.logy and all(v > 0 for v in values):
+            _log_axis(ax, min(values), max(values))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     return drawn
+
+
+def _log_axis(ax: Any, lo: float, hi: float) -> None:
+    """Log y axis; over less than two decades, plain evenly spaced ticks (0.8, 0.9, 1.0, 1.1 ...)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+
+    ax.set_yscale("log")
+    if hi / lo < 100:
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=7))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
 
 
 def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl mismatch report") -> Path:
@@ -201,8 +221,7 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
             "none of the runs has a metric to plot (looked for " + ", ".join(known) + "); were the runs "
             "made with the rlalign-verl plugin and alignment.metrics=true?"
         )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out_dir(out)
     cmap = plt.get_cmap("tab10")
     colors = [cmap(i % 10) for i in range(len(runs))]
 
@@ -217,7 +236,8 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
     fig.suptitle(title)
     fig.tight_layout()
     overview = out / "overview.png"
-    fig.savefig(overview, dpi=100)
+    with atomic_target(overview) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     images.append(("Overview", overview))
     for panel in panels:
@@ -225,12 +245,13 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
         _plot_panel(ax, panel, runs, colors)
         fig.tight_layout()
         png = out / f"{panel.name}.png"
-        fig.savefig(png, dpi=100)
+        with atomic_target(png) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
         plt.close(fig)
         images.append((panel.title, png))
 
     page = out / "report.html"
-    page.write_text(_html(title, runs, images), encoding="utf-8")
+    write_text(page, _html(title, runs, images))
     return page
 
 

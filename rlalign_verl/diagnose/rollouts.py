@@ -8,6 +8,7 @@ on another machine (e.g. a GPU box) can be diagnosed anywhere. See docs/diagnose
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -64,6 +65,33 @@ class Rollout:
         return asdict(self)
 
 
+def model_identity(model_dir: str | Path) -> dict[str, Any]:
+    """What identifies a checkpoint in a dump header: type, architectures, vocabulary, config.json hash."""
+    raw = (Path(model_dir) / "config.json").read_bytes()
+    cfg = json.loads(raw)
+    return {
+        "model_type": cfg.get("model_type"),
+        "architectures": cfg.get("architectures"),
+        "vocab_size": cfg.get("vocab_size"),
+        "config_sha256": hashlib.sha256(raw).hexdigest(),
+    }
+
+
+def check_model_identity(path: Path, header: RolloutHeader, model_dir: str | Path) -> None:
+    """Refuse a dump whose header names another checkpoint than ``model_dir`` (dumps without one pass)."""
+    want = header.extra.get("model_identity")
+    if not isinstance(want, dict):
+        return
+    have = model_identity(model_dir)
+    differ = [k for k in have if k in want and want[k] != have[k]]
+    if differ:
+        shown = ", ".join(f"{k} {want[k]!r} vs {have[k]!r}" for k in differ if k != "config_sha256")
+        raise RolloutFormatError(
+            f"{path} was generated from another checkpoint than {model_dir} ({shown or 'config.json differs'}); "
+            f"pass --model with the checkpoint that generated it ({header.model})"
+        )
+
+
 def write_rollouts(path: str | Path, header: RolloutHeader, rollouts: list[Rollout]) -> Path:
     """Write ``header`` and ``rollouts`` as JSONL to ``path`` (parent directories are created)."""
     path = Path(path)
@@ -107,6 +135,22 @@ def _check_logprobs(path: Path, line: int, name: str, vals: Any, allow_none_firs
     return [None if v is None else float(v) for v in vals]
 
 
+# header field -> the JSON type it must have
+_HEADER_TYPES: dict[str, type] = {
+    **dict.fromkeys(("engine", "engine_version", "mode", "model", "dtype", "profile", "device"), str),
+    "seed": int,
+    **dict.fromkeys(("sampling", "compilation", "extra"), dict),
+    "logprobs_mode": str,
+}
+
+
+def _check_header_types(path: Path, head: dict[str, Any]) -> None:
+    for key, want in _HEADER_TYPES.items():
+        v = head.get(key)
+        if key in head and (not isinstance(v, want) or isinstance(v, bool)):
+            raise _fail(path, 1, f"header field {key!r} must be a {want.__name__}, got {type(v).__name__} {v!r}")
+
+
 def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[RolloutHeader, list[Rollout]]:
     """Read and validate a dump. ``vocab_size`` (the model's) checks that every token id fits.
 
@@ -117,7 +161,12 @@ def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[R
         raise RolloutFormatError(
             f"rollout dump {path} does not exist; write one with `rlalign-verl diagnose --write-rollouts FILE`"
         )
-    lines = [ln for ln in path.read_text().splitlines()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise RolloutFormatError(
+            f"{path} is not a text JSONL file (binary content); pass the dump written by --write-rollouts"
+        ) from None
     if not lines or not lines[0].strip():
         raise RolloutFormatError(f"{path} is empty; expected a header line then one JSON object per sample")
     try:
@@ -133,6 +182,7 @@ def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[R
     missing = [k for k in _HEADER_REQUIRED if k not in head]
     if missing:
         raise _fail(path, 1, f"header misses field(s) {missing}")
+    _check_header_types(path, head)
     fields = set(RolloutHeader.__dataclass_fields__)
     header = RolloutHeader(**{k: v for k, v in head.items() if k in fields})
     rollouts: list[Rollout] = []

