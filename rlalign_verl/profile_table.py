@@ -50,8 +50,10 @@ def stream_cell(p: EngineProfile) -> str:
 
 
 def moe_cell(p: EngineProfile) -> str:
-    """MoE experts/router/combine, or ``as HF``."""
+    """MoE experts/router/combine: ``as HF``, or ``refused`` for a profile without MoE facts."""
     m = p.moe
+    if m is None:
+        return "refused (not established; swiglu/moe refused on MoE models)"
     if m == MoeRounding():
         return "as HF"
     return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlalign_verl.diagnose.probe import ulp_distance
 from rlalign_verl.profiles import HF, get_profile
 from rlalign_verl.regions.moe import mix_experts, route
 
@@ -37,13 +38,8 @@ def _inputs(seed: int, tokens: int, hidden: int, inter: int, experts: int):
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Max distance in bf16 ulps (sign-magnitude bit patterns)."""
-
-    def key(t):
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -(i & 0x7FFF), i)
-
-    return int((key(a) - key(b)).abs().max())
+    """Max distance in bf16 ulps."""
+    return int(ulp_distance(a, b).max())
 
 
 def _sorted(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
