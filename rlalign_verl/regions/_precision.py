@@ -9,7 +9,7 @@ import torch
 
 
 @contextlib.contextmanager
-def fp32_math(*tensors: torch.Tensor) -> Iterator[None]:
+def autocast_disabled(*tensors: torch.Tensor) -> Iterator[None]:
     """Disable autocast for the region's own math so fp32 intermediates stay fp32.
 
     Thread-local and scoped to the ``with`` block: no global torch state is changed.

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..errors import AlignmentError
 from ..profiles import EngineProfile
-from ._precision import fp32_math
+from ._precision import autocast_disabled
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 DEFAULT_VARIANT = "engine-op"
@@ -183,14 +183,14 @@ class _AttentionFn(torch.autograd.Function):
         ctx.lens = _segment_lengths(ids).tolist()
         if variant == "engine-op":
             return engine_attention(q.contiguous(), k.contiguous(), v.contiguous(), ids, scale)
-        with fp32_math(q):
+        with autocast_disabled(q):
             # engine kernels accumulate scores, softmax and p.v in fp32 and round the output once
             return _sdpa_fp32(q.float(), k.float(), v.float(), ctx.lens, scale).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
-        with torch.enable_grad(), fp32_math(grad):
+        with torch.enable_grad(), autocast_disabled(grad):
             qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
             o = _sdpa_fp32(qf, kf, vf, ctx.lens, ctx.scale)
             dq, dk, dv = torch.autograd.grad(o, (qf, kf, vf), grad.float())

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import AlignmentError
-from ._precision import fp32_math
+from ._precision import autocast_disabled
 
 HEAD_DTYPES: dict[str, torch.dtype | None] = {"float32": torch.float32, "fp32": torch.float32, "model": None,
                                               "bfloat16": None, "bf16": None}
@@ -54,7 +54,7 @@ class Fp32HeadFn(torch.autograd.Function):
     def forward(ctx, h, weight, bias, cuda_path):  # type: ignore[override]
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
-        with fp32_math(h):
+        with autocast_disabled(h):
             out = _mm_fp32(h.reshape(-1, h.shape[-1]), weight, cuda_path)
             if bias is not None:
                 out = out + bias.float()  # vLLM: embedding_bias.to(head_dtype)
@@ -63,7 +63,7 @@ class Fp32HeadFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         h, weight = ctx.saved_tensors
-        with fp32_math(grad):
+        with autocast_disabled(grad):
             g = grad.reshape(-1, grad.shape[-1]).float()
             dh = (g @ weight.float()).reshape(h.shape).to(h.dtype)
             dw = (g.t() @ h.reshape(-1, h.shape[-1]).float()).to(weight.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..profiles import MoeRounding, SwigluRounding
-from ._precision import fp32_math, rnd
+from ._precision import autocast_disabled, rnd
 from .swiglu import swiglu
 
 
@@ -22,7 +22,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k], experts [T, k])`` from the gate logits ``[T, E]`` (activation dtype)."""
     dtype = logits.dtype
-    with fp32_math(logits):
+    with autocast_disabled(logits):
         if rounding.router_softmax == "topk":
             # vLLM CPURouter._softmax_topk: top-k of the bf16 logits, then softmax over those k only
             vals, idx = torch.topk(logits, top_k, dim=-1)
@@ -81,7 +81,7 @@ def mix_experts(
     """
     dtype = x.dtype
     fp32_combine = rounding.combine == "fp32"
-    with fp32_math(x):
+    with autocast_disabled(x):
         out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dtype, device=x.device)
         hit = torch.unique(experts).tolist()
         for e in hit:

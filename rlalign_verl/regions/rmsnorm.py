@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..profiles import Mean, NormRounding, Source
-from ._precision import fp32_math, rnd
+from ._precision import autocast_disabled, rnd
 
 
 def _rsqrt_mean_sq(v: torch.Tensor, eps: float, mean: Mean) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _RmsNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.eps, ctx.rounding = eps, rounding
         dtype = x.dtype
-        with fp32_math(x):
+        with autocast_disabled(x):
             v = x.float()
             rt = _rsqrt_mean_sq(v, eps, rounding.mean)
             if keep_fp32:
@@ -63,7 +63,7 @@ class _RmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        with fp32_math(gy):
+        with autocast_disabled(gy):
             v = x.float()
             rt = _rsqrt_mean_sq(v, ctx.eps, ctx.rounding.mean)
             dx, gw = _norm_backward(v, rt, weight.float(), gy.float())
@@ -77,13 +77,13 @@ class _AddRmsNormFn(torch.autograd.Function):
         ctx.h_dtype = h.dtype
         ctx.r_dtype = None if residual is None else residual.dtype
         dtype = out_dtype or h.dtype
-        with fp32_math(h):
+        with autocast_disabled(h):
             # the fp32 sum every fused add+norm forms (given whole when the residual is None)
             s = h.float() if residual is None else h.float() + residual.float()
         # backward needs only s: saving it (4 B/element) rather than h and the residual keeps neither the
         # packed layer input (h is a view of it) nor the fp32 residual alive
         ctx.save_for_backward(s, weight)
-        with fp32_math(h):
+        with autocast_disabled(h):
             s_r = rnd(s, dtype)
             var_src = s if rounding.variance is Source.FP32_SUM else s_r
             norm_src = s if rounding.normalize is Source.FP32_SUM else s_r
@@ -97,7 +97,7 @@ class _AddRmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, g_res):  # type: ignore[override]
         s, weight = ctx.saved_tensors
-        with fp32_math(gy):
+        with autocast_disabled(gy):
             rt = _rsqrt_mean_sq(s, ctx.eps, ctx.rounding.mean)
             ds, gw = _norm_backward(s, rt, weight.float(), gy.float())
             if g_res is not None:

@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..profiles import RopeRounding
-from ._precision import fp32_math, rnd
+from ._precision import autocast_disabled, rnd
 
 
 def rope_table(
@@ -26,7 +26,7 @@ def rope_table(
     Same formula and ops as HF's rotary embedding before its final cast (fp32 matmul of the
     inverse frequencies with the positions, halves duplicated), so rounding it gives HF's table.
     """
-    with fp32_math(inv_freq):
+    with autocast_disabled(inv_freq):
         inv = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(position_ids.device)
         freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -66,13 +66,13 @@ class _RopeFn(torch.autograd.Function):
         if kernels.available(x, triton) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
             if out_dtype in (torch.bfloat16, torch.float16):
                 return kernels.rope_forward(x, c.float(), s.float(), rounding.roundings, out_dtype)  # same formula, fused
-        with fp32_math(x):
+        with autocast_disabled(x):
             return _rotate(x.float(), c.float(), s.float(), rounding, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         c, s = ctx.saved_tensors
-        with fp32_math(grad):
+        with autocast_disabled(grad):
             g = grad.float()
             half = g.shape[-1] // 2
             g1, g2 = g[..., :half], g[..., half:]
@@ -104,7 +104,7 @@ def apply_rope(
     the forward as the opt-in Triton kernel on CUDA tensors.
     """
     out_dtype = out_dtype or q.dtype
-    with fp32_math(cos):
+    with autocast_disabled(cos):
         if rounding.table == "bf16":
             # engine's cos_sin_cache: fp32 math, stored in the model dtype (HF's table already is: no copy,
             # and the one table is shared by every layer instead of an fp32 copy saved per layer)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..profiles import SwigluRounding
-from ._precision import fp32_math, rnd
+from ._precision import autocast_disabled, rnd
 
 
 class _SwigluFn(torch.autograd.Function):
@@ -19,7 +19,7 @@ class _SwigluFn(torch.autograd.Function):
         dtype = gate.dtype
         if kernels.available(gate, triton) and dtype in (torch.bfloat16, torch.float16):
             return kernels.swiglu_forward(gate, up, roundings)  # same formula, one fused Triton pass
-        with fp32_math(gate):
+        with autocast_disabled(gate):
             a = F.silu(gate.float())
             if roundings == 2:
                 # eager act_and_mul (HF act_fn(gate) * up; vLLM CUDA kernel): silu output stored in bf16.
@@ -31,7 +31,7 @@ class _SwigluFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        with fp32_math(grad):
+        with autocast_disabled(grad):
             # same operations in the same order as go*g*sig and go*u*sig*(1 + g*(1 - sig)), but in place:
             # 3 fp32 [T, I] buffers live instead of ~9 (on CPU every fresh buffer also costs page faults)
             g, go = gate.float(), grad.to(torch.float32, copy=True)  # go is updated in place below
