@@ -256,7 +256,7 @@ def test_validate_writes_resolved_settings_for_workers(qwen2_path):
     cfg = _valid(qwen2_path)
     assert validate_config(cfg, on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
     override = _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu"}
+    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_engine_auto": True, "rlalign_rollout": "vllm"}
     assert _resolved(cfg)["critic"]["model"]["override_config"] == {}
 
 
@@ -264,7 +264,8 @@ def test_validate_passes_compile_to_workers_only_when_on(qwen2_path):
     cfg = _valid(qwen2_path, "alignment.compile=true")
     validate_config(cfg, on_cuda=False)
     override = _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_compile": True}
+    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_compile": True,
+                        "rlalign_engine_auto": True, "rlalign_rollout": "vllm"}  # fmt: skip
     cfg = compose_ours(f"actor_rollout_ref.model.path={qwen2_path}", "actor_rollout_ref.rollout.name=vllm",
                        "alignment.compile=true")  # fmt: skip
     validate_config(cfg, on_cuda=False)
@@ -286,6 +287,8 @@ def test_validate_keeps_user_override_config(qwen2_path):
         "attn_implementation": "sdpa",
         "rlalign_regions": ["rope", "swiglu"],
         "rlalign_engine": "vllm",
+        "rlalign_engine_auto": True,
+        "rlalign_rollout": "vllm",
     }
 
 
@@ -451,7 +454,9 @@ def test_entry_points_validate_on_driver_before_ray(qwen2_path):
     profile = "vllm-eager" if _cuda() else "vllm-cpu-eager"
     for section in sections[:2]:
         line = next(ln for ln in section.splitlines() if ln.startswith("REACHED_RUN_PPO "))
-        assert json.loads(line.split(" ", 1)[1]) == {"rlalign_regions": ["rope"], "rlalign_engine": profile}
+        assert json.loads(line.split(" ", 1)[1]) == {
+            "rlalign_regions": ["rope"], "rlalign_engine": profile, "rlalign_engine_auto": True, "rlalign_rollout": "vllm"
+        }  # fmt: skip
     for section in sections[2:]:
         assert "REACHED_RUN_PPO" not in section, section
         assert "RAISED LigerConflictError actor_rollout_ref.model.use_liger=True" in section, section
@@ -504,3 +509,8 @@ def test_baseline_banner_names_the_resolved_profile(monkeypatch):
     assert would_use_profile(eager, on_cuda=True) == "vllm-eager"
     unresolved = would_use_profile(compose_ours("actor_rollout_ref.rollout.name=trtllm"), on_cuda=False)
     assert unresolved.startswith("auto (unresolved: ") and "alignment.engine" in unresolved
+
+
+def test_error_hf_profile_with_a_real_rollout_engine(qwen2_path):
+    with pytest.raises(ProfileMismatchError, match="not the vllm rollout engine"):
+        validate_config(_valid(qwen2_path, "alignment.engine=hf"), on_cuda=True)

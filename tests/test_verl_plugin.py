@@ -145,7 +145,7 @@ def test_align_module_gates_on_config_flags(qwen2_path, caplog):
     assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager" and not st.compiled
     assert "aligned Qwen2ForCausalLM (role=actor): regions=rope,swiglu profile=vllm-cpu-eager" in caplog.text
 
-    compiled = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm", rlalign_compile=True)
+    compiled = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-cpu", rlalign_compile=True)
     assert get_alignment(align_module(compiled, role="actor")).compiled
 
 
@@ -402,3 +402,17 @@ def _engine_child(model_path: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "engine":
     _engine_child(sys.argv[2])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only worker")
+def test_align_module_checks_the_profile_against_the_worker_device(qwen2_path):
+    from rlalign_verl.errors import ProfileMismatchError
+    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.verl.model_hook import align_module
+
+    with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm"), role="actor")
+    moved = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-eager", rlalign_engine_auto=True)
+    assert get_alignment(align_module(moved, role="actor")).profile.name == "vllm-cpu-eager"
+    with pytest.raises(ProfileMismatchError, match="not the vllm rollout engine"):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="hf", rlalign_rollout="vllm"))

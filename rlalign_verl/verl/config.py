@@ -23,6 +23,10 @@ ENGINE_KEY = "rlalign_engine"
 """Attribute holding the engine profile name, next to :data:`REGIONS_KEY`."""
 COMPILE_KEY = "rlalign_compile"
 """Attribute set (only when true) for ``alignment.compile``: compiled SwiGLU/RoPE in the workers."""
+AUTO_KEY = "rlalign_engine_auto"
+"""Attribute set when the profile came from ``alignment.engine=auto``: the worker may move it to its device."""
+ROLLOUT_KEY = "rlalign_rollout"
+"""Attribute holding ``actor_rollout_ref.rollout.name`` for the worker's placement check."""
 KERNELS_KEY = "rlalign_kernels"
 """Attribute set (only for ``alignment.kernels=triton``): the opt-in Triton SwiGLU/RoPE forwards."""
 OVERRIDE_PATH = "actor_rollout_ref.model.override_config"
@@ -302,6 +306,18 @@ def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str |
             node[KERNELS_KEY] = "triton"
         else:
             node.pop(KERNELS_KEY, None)
+        _write_placement(config, node, regions)
+
+
+def _write_placement(config: Any, node: Any, regions: tuple[str, ...]) -> None:
+    """What the worker's placement check needs: whether the profile was ``auto`` and the rollout engine."""
+    auto = str(_select(config, "alignment.engine", "auto") or "auto").strip().lower() == "auto"
+    rollout = str(_select(config, "actor_rollout_ref.rollout.name") or "").strip().lower()
+    for key, value in ((AUTO_KEY, bool(regions and auto)), (ROLLOUT_KEY, rollout if regions else "")):
+        if value:
+            node[key] = value
+        else:
+            node.pop(key, None)
 
 
 def _kernels(config: Any) -> str:
@@ -359,6 +375,9 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                 )
         check_plugin_reaches_workers()
         _kernels(config)
+        from ..placement import check_rollout
+
+        check_rollout(profile, _select(config, "actor_rollout_ref.rollout.name"))
         from .model_hook import check_hook_target
 
         check_hook_target()

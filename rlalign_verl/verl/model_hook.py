@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import AlignmentError
-from .config import COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY
+from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -37,16 +37,24 @@ def requested_alignment(module: Any) -> tuple[tuple[str, ...], str] | None:
         return None
     engine = str(getattr(cfg, ENGINE_KEY, None) or "auto").strip().lower()
     if engine == "auto":
-        import torch
-
-        engine = "vllm" if torch.cuda.is_available() else "vllm-cpu"
         logger.warning(
             "%s=auto reached the worker (the driver did not resolve it: was validation skipped?); using the "
-            "device default profile %s",
+            "compiled vLLM profile for this worker's device",
             ENGINE_KEY,
-            engine,
         )
     return regions, engine
+
+
+def _placed_profile(module: Any, engine: str) -> str:
+    """The profile checked against where ``module`` runs (:mod:`rlalign_verl.placement`); raises if wrong."""
+    from ..placement import check_placement
+
+    cfg = getattr(module, "config", None)
+    auto = engine == "auto" or bool(getattr(cfg, AUTO_KEY, False))
+    profile = check_placement("vllm" if engine == "auto" else engine, module, auto=auto, rollout=getattr(cfg, ROLLOUT_KEY, None))
+    if profile.name != engine:
+        logger.info("alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device", engine, profile.name)
+    return profile.name
 
 
 def _rank() -> int | None:
@@ -74,6 +82,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     try:
         from ..patch import apply_alignment, get_alignment
 
+        engine = _placed_profile(module, engine)
         apply_alignment(module, regions=regions, engine=engine, compile=compile_, kernels=kernels)
         state = get_alignment(module)
     except Exception as err:
@@ -99,7 +108,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
     for cfg in configs:
-        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY):
+        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 

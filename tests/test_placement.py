@@ -1,0 +1,72 @@
+"""Workers verify their profile against where the model runs (rlalign_verl.placement), table-driven."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from rlalign_verl.errors import ProfileMismatchError
+from rlalign_verl.placement import check_placement, check_rollout, profile_for_device, worker_device_type
+from rlalign_verl.profiles import PROFILES
+
+# (profile, device, auto, rollout) -> the profile used, or the fix the error must name
+CASES = [
+    ("vllm", "cuda", False, "vllm", "vllm"),
+    ("vllm-eager", "cuda", False, "vllm", "vllm-eager"),
+    ("sglang", "cuda", False, "sglang", "sglang"),
+    ("vllm-cpu", "cpu", False, "vllm", "vllm-cpu"),
+    ("vllm-cpu-eager", "cpu", False, "vllm", "vllm-cpu-eager"),
+    ("hf", "cpu", False, None, "hf"),
+    ("hf", "cuda", False, "", "hf"),
+    # a CPU-only driver resolved auto: the GPU worker moves it to the same engine path on CUDA
+    ("vllm-cpu", "cuda", True, "vllm", "vllm"),
+    ("vllm-cpu-eager", "cuda", True, "vllm", "vllm-eager"),
+    ("vllm", "cpu", True, "vllm", "vllm-cpu"),
+    ("vllm-eager", "cpu", True, "vllm", "vllm-cpu-eager"),
+    # explicit choices that contradict the device: errors naming the fix
+    ("vllm", "cpu", False, "vllm", "error: alignment.engine=vllm-cpu (or auto)"),
+    ("vllm-eager", "cpu", False, "vllm", "error: alignment.engine=vllm-cpu-eager (or auto)"),
+    ("vllm-cpu", "cuda", False, "vllm", "error: alignment.engine=vllm (or auto)"),
+    ("vllm-cpu-eager", "cuda", False, "vllm", "error: alignment.engine=vllm-eager (or auto)"),
+    ("sglang", "cpu", False, "sglang", "error: alignment.engine=auto or a profile for this device"),
+    ("sglang", "cpu", True, "sglang", "error: alignment.engine=auto or a profile for this device"),
+    # hf aligns to nothing a real engine does
+    ("hf", "cuda", False, "vllm", "error: use alignment.engine=auto (or a vllm profile)"),
+    ("hf", "cuda", True, "sglang", "error: use alignment.engine=auto (or a sglang profile)"),
+]
+
+
+@pytest.mark.parametrize("profile, device, auto, rollout, want", CASES)
+def test_profile_for_device(profile: str, device: str, auto: bool, rollout: str | None, want: str) -> None:
+    if want.startswith("error: "):
+        with pytest.raises(ProfileMismatchError, match=re.escape(want[7:]) + "$"):
+            profile_for_device(profile, device, auto=auto, rollout=rollout)
+    else:
+        assert profile_for_device(profile, device, auto=auto, rollout=rollout).name == want
+
+
+def test_every_profile_is_covered_on_both_devices() -> None:
+    assert {(p, d) for p in PROFILES for d in ("cpu", "cuda")} <= {(p, d) for p, d, *_ in CASES}
+
+
+def test_check_rollout_only_refuses_hf_with_a_real_engine() -> None:
+    for name in PROFILES:
+        for rollout in ("", None, "hf", "vllm", "sglang"):
+            bad = name == "hf" and rollout in ("vllm", "sglang")
+            if bad:
+                with pytest.raises(ProfileMismatchError):
+                    check_rollout(name, rollout)
+            else:
+                assert check_rollout(name, rollout).name == name
+
+
+def test_worker_device_is_where_the_parameters_live() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert worker_device_type(model) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert worker_device_type(None) == worker_device_type(object())
+    if not torch.cuda.is_available():  # this CPU machine: an explicit CUDA profile fails in the worker
+        with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):
+            check_placement("vllm", model)
+        assert check_placement("vllm", model, auto=True).name == "vllm-cpu"
