@@ -22,8 +22,10 @@ from torch import nn
 
 from .errors import AlignmentError, LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
+from .guard import SAVED_FORWARD, check_intact, check_model_arg
 from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
+from .options import parse_bool
 from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
 from .regions.attention import attention_interface, check_attention_supported
@@ -36,7 +38,7 @@ from .regions.swiglu import swiglu
 logger = logging.getLogger("rlalign_verl")
 
 _STATE_ATTR = "_rlalign_state"
-_SAVED_FORWARD = "_rlalign_saved_forward"
+_SAVED_FORWARD = SAVED_FORWARD
 
 
 @dataclass(frozen=True)
@@ -308,7 +310,7 @@ def _patch_instance(
     _check_not_liger(model, family)
     check_moe_config(config, family, profile, regions)
 
-    current = get_alignment(model)
+    current = _state(model)
     if current is not None:
         if current == AlignmentState(regions, profile, model_type, compiled, kernels, **options):
             return model  # idempotent
@@ -389,7 +391,19 @@ def _remove_class_hooks() -> None:
 
 
 def get_alignment(model: nn.Module) -> AlignmentState | None:
-    """The alignment active on ``model`` (a HF model or its base model), or ``None``."""
+    """The alignment active on ``model`` (a HF model or its base model), or ``None``.
+
+    Raises ``AlignmentOverriddenError`` when the aligned forwards were replaced afterwards (e.g. by Liger).
+    """
+    st = _state(model)
+    if st is not None:
+        family = get_family(st.model_type)
+        wanted = {"swiglu": "mlp", "rmsnorm": "decoder_layer", "rope": "attention", "attention": "attention"}
+        check_intact(model, st.describe(), [family.cls(wanted[r]) for r in st.regions if r in wanted])
+    return st
+
+
+def _state(model: nn.Module) -> AlignmentState | None:
     st = model.__dict__.get(_STATE_ATTR)
     if st is None:
         for m in model.modules():
@@ -421,6 +435,8 @@ def apply_alignment(
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
+    check_model_arg(model)
+    compile = parse_bool(compile, name="compile")
     regions_t = normalize_regions(regions)
     profile = get_profile(engine)
     kernels_ = resolve_kernels(kernels, compile=compile)
@@ -436,11 +452,11 @@ def apply_alignment(
             _remove_class_hooks()
         return None
     if not regions_t:
-        if get_alignment(model) is not None:
+        if _state(model) is not None:
             _unpatch_instance(model)
         return model
     _patch_instance(model, regions_t, profile, compile, kernels_, **options)
-    logger.debug("rlalign: aligned %s: %s", type(model).__name__, get_alignment(model).describe())
+    logger.debug("rlalign: aligned %s: %s", type(model).__name__, _state(model).describe())
     return model
 
 
@@ -467,7 +483,7 @@ def aligned(
     head_dtype: str | None = "float32",
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
-    previous = get_alignment(model) if model is not None else None
+    previous = _state(model) if model is not None else None
     apply_alignment(
         model, regions=regions, engine=engine, compile=compile, kernels=kernels, attention=attention, head_dtype=head_dtype
     )

@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import AlignmentError, LigerConflictError
+from ..errors import AlignmentError, LigerConflictError, ProfileMismatchError
 from ..options import parse_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
+from .flags import check_spellings, spellings
 
 ENV_REGIONS = "RLALIGN_REGIONS"
 ENV_ENGINE = "RLALIGN_ENGINE"
@@ -35,12 +36,12 @@ ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT)
 FLAG_PREFIX = "--alignment."
 FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs")
 
-# OpenRLHF flags the plugin reads: the 0.10/0.11 dotted name first, then older flat names.
-ENFORCE_EAGER_FLAGS = ("--vllm.enforce_eager", "--enforce_eager")
-LIGER_FLAGS = ("--ds.use_liger_kernel", "--use_liger_kernel")
-IS_CORRECTION_LEVEL_FLAGS = ("--algo.advantage.is_correction_level",)
-IS_CORRECTION_SWITCH_FLAGS = ("--algo.advantage.is_correction_enable", "--enable_vllm_is_correction")
-VLLM_ENGINES_FLAGS = ("--vllm.num_engines", "--vllm_num_engines")
+# OpenRLHF flags the plugin reads (all spellings: rlalign_verl/openrlhf/flags.py).
+ENFORCE_EAGER_FLAGS = spellings("enforce_eager")
+LIGER_FLAGS = spellings("use_liger_kernel")
+IS_CORRECTION_LEVEL_FLAGS = spellings("is_correction_level")
+IS_CORRECTION_SWITCH_FLAGS = spellings("is_correction_enable")
+VLLM_ENGINES_FLAGS = spellings("vllm_num_engines")
 
 @dataclass(frozen=True)
 class Settings:
@@ -126,7 +127,13 @@ def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
         if enforce_eager:
             return "vllm-eager", "vLLM with --vllm.enforce_eager (eager CUDA kernels)"
         return "vllm", "vLLM without --vllm.enforce_eager (compiled graph)"
-    return get_profile(name).name, "given by --alignment.engine"
+    profile = get_profile(name)
+    if profile.engine != "vllm":
+        raise ProfileMismatchError(
+            f"--alignment.engine {profile.name} mirrors {profile.engine}, but OpenRLHF samples with vLLM; use "
+            f"--alignment.engine auto (or vllm, vllm-eager)"
+        )
+    return profile.name, "given by --alignment.engine"
 
 
 def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
@@ -183,6 +190,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
             + ", ".join(FLAG_PREFIX + f for f in FLAGS)
             + " (see python -m rlalign_verl.openrlhf.train_ppo_ray --help)"
         )
+    check_spellings(rest)
     regions = normalize_regions(ns.regions)
     profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     check_liger(regions, rest)

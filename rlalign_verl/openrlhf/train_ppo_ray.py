@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import exit_on_error
 from . import settings as settings_mod
 from .log import logger, warn_once
 from .settings import LaunchOptions, Settings, flag_value, parse_launcher_args, rollout_logprobs_requested
@@ -93,15 +94,16 @@ def _print_help() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run OpenRLHF's ``train_ppo_ray`` with the plugin. ``argv`` excludes the program name."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        _print_help()
-        options = parse_launcher_args([a for a in argv if a not in ("-h", "--help")])
-        options.openrlhf_argv.append("--help")
-    else:
-        options = parse_launcher_args(argv)
-        logger.info("%s (profile: %s)", options.settings.describe(), options.profile_reason)
-        _warn_about_rollout_logprobs(options)
-        init_ray(options.settings, options.address)
+    with exit_on_error(2):  # a bad setting: one "[rlalign-verl] ERROR ..." line, exit 2, before Ray starts
+        if "-h" in argv or "--help" in argv:
+            _print_help()
+            options = parse_launcher_args([a for a in argv if a not in ("-h", "--help")])
+            options.openrlhf_argv.append("--help")
+        else:
+            options = parse_launcher_args(argv)
+            logger.info("%s (profile: %s)", options.settings.describe(), options.profile_reason)
+            _warn_about_rollout_logprobs(options)
+            init_ray(options.settings, options.address)
     sys.argv = [OPENRLHF_MODULE.replace(".", "/") + ".py", *options.openrlhf_argv]
     runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
 

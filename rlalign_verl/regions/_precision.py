@@ -15,6 +15,9 @@ def autocast_disabled(*tensors: torch.Tensor) -> Iterator[None]:
     Thread-local and scoped to the ``with`` block: no global torch state is changed.
     """
     device_type = tensors[0].device.type if tensors else "cpu"
+    if not torch.amp.is_autocast_available(device_type):  # e.g. meta (shape tracing): no autocast to turn off
+        yield
+        return
     with torch.autocast(device_type=device_type, enabled=False):
         yield
 

@@ -57,18 +57,20 @@ def test_defaults_measure_nothing_aligned():
         ([], "vllm", "vllm"),
         (["--vllm.enforce_eager"], "vllm", "vllm-eager"),
         (["--enforce_eager"], "auto", "vllm-eager"),  # older flat flag name
-        (["--vllm.enforce_eager"], "sglang", "sglang"),  # an explicit profile is kept
+        (["--vllm.enforce_eager"], "vllm-cpu", "vllm-cpu"),  # an explicit profile is kept
         ([], "vllm-cpu-eager", "vllm-cpu-eager"),
     ],
 )
-def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile):
+def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile, monkeypatch):
+    monkeypatch.setattr("rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None)  # any OpenRLHF release
     opts = parse_launcher_args(["--alignment.regions", "all", "--alignment.engine", engine, *extra, *OPENRLHF_FLAGS])
     assert opts.settings.profile == profile
     assert opts.settings.regions == ("rope", "swiglu", "rmsnorm")
     assert opts.openrlhf_argv == [*extra, *OPENRLHF_FLAGS]
 
 
-def test_bad_input_gives_errors_that_name_the_fix():
+def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
+    monkeypatch.setattr("rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None)  # any OpenRLHF release
     with pytest.raises(UnknownRegionError, match=r"valid regions: \['rope', 'swiglu', 'rmsnorm'\]"):
         parse_launcher_args(["--alignment.regions", "rope,gelu", *OPENRLHF_FLAGS])
     with pytest.raises(UnknownProfileError, match="valid profiles: vllm, vllm-eager"):

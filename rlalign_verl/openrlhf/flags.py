@@ -1,0 +1,75 @@
+"""OpenRLHF's own flags that the plugin reads, as data: every spelling each release used.
+
+OpenRLHF 0.10 moved from flat flags (``--enforce_eager``, ``--enable_vllm_is_correction``,
+``--vllm_is_truncated_threshold``) to dotted ones (``--vllm.enforce_eager``,
+``--algo.advantage.is_correction_*``). The launcher reads a setting under any of its spellings, and
+refuses, before Ray starts, a spelling the installed OpenRLHF does not know (its parser would fail only
+after Ray is up), naming the spelling that it does know.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Sequence
+
+from ..errors import ConfigFormatError
+
+# setting -> its spellings, newest first (dotted names of OpenRLHF >= 0.10, then older flat names)
+FLAG_TABLE: dict[str, tuple[str, ...]] = {
+    "enforce_eager": ("--vllm.enforce_eager", "--enforce_eager"),
+    "use_liger_kernel": ("--ds.use_liger_kernel", "--use_liger_kernel"),
+    "is_correction_level": ("--algo.advantage.is_correction_level",),
+    "is_correction_enable": ("--algo.advantage.is_correction_enable", "--enable_vllm_is_correction"),
+    "is_correction_threshold": ("--algo.advantage.is_correction_threshold", "--vllm_is_truncated_threshold"),
+    "vllm_num_engines": ("--vllm.num_engines", "--vllm_num_engines"),
+    "eps_clip": ("--actor.eps_clip", "--eps_clip"),
+    "eps_clip_low_high": ("--actor.eps_clip_low_high", "--eps_clip_low_high"),
+}
+
+# a setting that a later release replaced by another one (the on/off switch became a level)
+SUCCESSOR = {"is_correction_enable": "is_correction_level"}
+
+CLI_MODULE = "openrlhf.cli.train_ppo_ray"
+
+
+def spellings(setting: str) -> tuple[str, ...]:
+    """Every flag name of ``setting`` (a key of :data:`FLAG_TABLE`)."""
+    return FLAG_TABLE[setting]
+
+
+def installed_flags(module: str = CLI_MODULE) -> set[str] | None:
+    """The ``--flag`` names declared in the installed OpenRLHF CLI's source (read, not imported);
+    ``None`` when OpenRLHF is not installed or its source is unreadable."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        return None
+    return set(re.findall(r"""["'](--[A-Za-z0-9_.\-]+)["']""", source))
+
+
+def _used(argv: Sequence[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+
+
+def check_spellings(argv: Sequence[str], known: set[str] | None = None) -> None:
+    """Refuse a table flag spelled for another OpenRLHF release than the installed one."""
+    known = installed_flags() if known is None else known
+    if not known:
+        return
+    for flag in _used(argv):
+        for setting, names in FLAG_TABLE.items():
+            if flag in names and flag not in known:
+                valid = [n for n in (*names, *FLAG_TABLE.get(SUCCESSOR.get(setting, ""), ())) if n in known]
+                if valid:
+                    raise ConfigFormatError(
+                        f"{flag} is not a flag of the installed OpenRLHF (another release spells it so); "
+                        f"use {valid[0]}"
+                    )

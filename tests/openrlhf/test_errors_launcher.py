@@ -1,0 +1,114 @@
+"""Bad launcher input: one row per argv -> exit code 2, the error type and a fragment of its one line,
+printed before Ray starts; OpenRLHF's flags read under the spelling of the installed release."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("openrlhf")
+
+from rlalign_verl.openrlhf import flags  # noqa: E402
+from rlalign_verl.openrlhf.settings import parse_launcher_args  # noqa: E402
+from rlalign_verl.openrlhf.train_ppo_ray import main  # noqa: E402
+
+BASE = ["--actor.model_name_or_path", "/models/qwen", "--vllm.num_engines", "1"]
+
+# id -> (argv, error type, fragment of the one error line)
+BAD = {
+    "engine sglang": (["--alignment.regions", "all", "--alignment.engine", "sglang"], "ProfileMismatchError",
+                      "OpenRLHF samples with vLLM"),
+    "engine hf": (["--alignment.regions", "rope", "--alignment.engine", "hf"], "ProfileMismatchError",
+                  "--alignment.engine auto"),
+    "engine typo": (["--alignment.regions", "rope", "--alignment.engine", "trtllm"], "UnknownProfileError",
+                    "valid profiles"),
+    "region typo": (["--alignment.regions", "rope,gelu"], "UnknownRegionError", "valid regions"),
+    "metrics=maybe": (["--alignment.metrics", "maybe"], "ConfigFormatError", "--alignment.metrics=false"),
+    "collect=2": (["--alignment.collect_rollout_logprobs", "2"], "ConfigFormatError",
+                  "--alignment.collect_rollout_logprobs=true"),
+    "unknown plugin flag": (["--alignment.region", "rope"], "AlignmentError", "unknown flag(s)"),
+    "missing value": (["--alignment.regions"], "AlignmentError", "expected one argument"),
+    "flat --enforce_eager": (["--alignment.regions", "rope", "--enforce_eager"], "ConfigFormatError",
+                             "use --vllm.enforce_eager"),
+    "flat --enable_vllm_is_correction": (["--enable_vllm_is_correction"], "ConfigFormatError",
+                                         "use --algo.advantage.is_correction_level"),
+    "flat --vllm_is_truncated_threshold": (["--vllm_is_truncated_threshold=2"], "ConfigFormatError",
+                                           "use --algo.advantage.is_correction_threshold"),
+    "flat --use_liger_kernel": (["--alignment.regions", "rope", "--use_liger_kernel"], "ConfigFormatError",
+                                "use --ds.use_liger_kernel"),
+    "liger with alignment": (["--alignment.regions", "rope", "--ds.use_liger_kernel"], "LigerConflictError",
+                             "drop --ds.use_liger_kernel"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_launcher_input_is_one_line_and_exit_2(case, capsys, monkeypatch):
+    argv, error, fragment = BAD[case]
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite a bad setting"))
+    with pytest.raises(SystemExit) as info:
+        main([*argv, *BASE])
+    assert info.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"[rlalign-verl] ERROR {error}: ") and fragment in lines[0], lines[0]
+
+
+def test_python_m_launcher_exits_2_with_one_line_and_no_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "rlalign_verl.openrlhf.train_ppo_ray", "--alignment.engine", "sglang",
+         "--alignment.regions", "all", *BASE],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "Ray initialised" not in result.stderr
+    assert [ln for ln in result.stderr.splitlines() if ln.startswith("[rlalign-verl] ERROR")] == [
+        "[rlalign-verl] ERROR ProfileMismatchError: --alignment.engine sglang mirrors sglang, but OpenRLHF samples "
+        "with vLLM; use --alignment.engine auto (or vllm, vllm-eager)"
+    ]
+
+
+# --- both generations of OpenRLHF's flags --------------------------------------------------------------
+
+OLD_RELEASE = {"--enforce_eager", "--use_liger_kernel", "--enable_vllm_is_correction",
+               "--vllm_is_truncated_threshold", "--vllm_num_engines", "--eps_clip", "--pretrain"}  # fmt: skip
+NEW_RELEASE = flags.installed_flags()
+
+# id -> (flags the installed release declares, extra argv, profile chosen / error fragment)
+SPELLINGS = {
+    "new release, dotted eager": (NEW_RELEASE, ["--vllm.enforce_eager"], "vllm-eager"),
+    "new release, no eager": (NEW_RELEASE, [], "vllm"),
+    "old release, flat eager": (OLD_RELEASE, ["--enforce_eager"], "vllm-eager"),
+    "old release, flat eager=false": (OLD_RELEASE, ["--enforce_eager=false"], "vllm"),
+    "old release, dotted eager refused": (OLD_RELEASE, ["--vllm.enforce_eager"], "use --enforce_eager"),
+    "old release, dotted liger refused": (OLD_RELEASE, ["--ds.use_liger_kernel"], "use --use_liger_kernel"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPELLINGS))
+def test_flags_are_read_in_the_installed_release_spelling(case, monkeypatch):
+    known, extra, want = SPELLINGS[case]
+    assert NEW_RELEASE and "--vllm.enforce_eager" in NEW_RELEASE  # the test env has OpenRLHF >= 0.10
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: known)
+    argv = ["--alignment.regions", "rope", *extra]
+    if want.startswith("use "):
+        with pytest.raises(Exception, match=want):
+            parse_launcher_args(argv)
+    else:
+        assert parse_launcher_args(argv).settings.profile == want
+
+
+def test_old_release_liger_and_is_correction_spellings_are_read(monkeypatch):
+    from rlalign_verl.errors import LigerConflictError
+    from rlalign_verl.openrlhf.settings import rollout_logprobs_requested
+
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: OLD_RELEASE)
+    with pytest.raises(LigerConflictError):
+        parse_launcher_args(["--alignment.regions", "rope", "--use_liger_kernel"])
+    assert rollout_logprobs_requested(["--enable_vllm_is_correction"])
+    assert rollout_logprobs_requested(["--algo.advantage.is_correction_level", "token"])
+    assert not rollout_logprobs_requested(["--algo.advantage.is_correction_level", "off"])
