@@ -34,17 +34,8 @@ from .recommend import extra_settings, recommend
 from .render import format_report, write_plots
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``diagnose`` on the ``rlalign-verl`` sub-command parser."""
-    p = subparsers.add_parser(
-        "diagnose",
-        help="measure train-vs-rollout log-prob gaps per aligned region against a real engine",
-        description=(
-            "Sample with the installed inference engine (or read a rollout dump), recompute the log-probs "
-            "with HF transformers for each alignment setting and the engine-op floor, and report what each "
-            "region buys. Default: a tiny local Qwen2 and the installed vLLM engine."
-        ),
-    )
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    """Where the model and the rollouts come from."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR", help="HF checkpoint directory (Qwen2/Qwen2.5, Qwen3, Llama)")
     src.add_argument(
@@ -66,6 +57,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--write-rollouts", metavar="OUT", help="also write the engine rollouts to this JSONL dump"
     )
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``diagnose`` on the ``rlalign-verl`` sub-command parser."""
+    p = subparsers.add_parser(
+        "diagnose",
+        help="measure train-vs-rollout log-prob gaps per aligned region against a real engine",
+        description=(
+            "Sample with the installed inference engine (or read a rollout dump), recompute the log-probs "
+            "with HF transformers for each alignment setting and the engine-op floor, and report what each "
+            "region buys. Default: a tiny local Qwen2 and the installed vLLM engine."
+        ),
+    )
+    _add_source_args(p)
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,

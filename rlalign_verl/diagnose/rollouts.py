@@ -151,12 +151,7 @@ def _check_header_types(path: Path, head: dict[str, Any]) -> None:
             raise _fail(path, 1, f"header field {key!r} must be a {want.__name__}, got {type(v).__name__} {v!r}")
 
 
-def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[RolloutHeader, list[Rollout]]:
-    """Read and validate a dump. ``vocab_size`` (the model's) checks that every token id fits.
-
-    Raises :class:`RolloutFormatError` naming the file, line and problem.
-    """
-    path = Path(path)
+def _read_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise RolloutFormatError(
             f"rollout dump {path} does not exist; write one with `rlalign-verl diagnose --write-rollouts FILE`"
@@ -169,8 +164,12 @@ def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[R
         ) from None
     if not lines or not lines[0].strip():
         raise RolloutFormatError(f"{path} is empty; expected a header line then one JSON object per sample")
+    return lines
+
+
+def _parse_header(path: Path, line: str) -> RolloutHeader:
     try:
-        head = json.loads(lines[0])
+        head = json.loads(line)
     except json.JSONDecodeError as e:
         raise _fail(path, 1, f"header is not valid JSON ({e})") from None
     if not isinstance(head, dict) or head.get("kind") != FORMAT_KIND:
@@ -184,43 +183,51 @@ def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[R
         raise _fail(path, 1, f"header misses field(s) {missing}")
     _check_header_types(path, head)
     fields = set(RolloutHeader.__dataclass_fields__)
-    header = RolloutHeader(**{k: v for k, v in head.items() if k in fields})
-    rollouts: list[Rollout] = []
-    for n, text in enumerate(lines[1:], start=2):
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise _fail(path, n, f"not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise _fail(path, n, "each sample line must be a JSON object")
-        missing = [k for k in _SAMPLE_REQUIRED if k not in obj]
-        if missing:
-            raise _fail(path, n, f"sample misses field(s) {missing} (needs {list(_SAMPLE_REQUIRED)})")
-        prompt = _check_ids(path, n, "prompt_ids", obj["prompt_ids"], vocab_size)
-        resp = _check_ids(path, n, "response_ids", obj["response_ids"], vocab_size)
-        if not prompt:
-            raise _fail(path, n, "'prompt_ids' is empty")
-        if not resp:
-            raise _fail(path, n, "'response_ids' is empty")
-        lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], False)
-        if len(lps) != len(resp):
+    return RolloutHeader(**{k: v for k, v in head.items() if k in fields})
+
+
+def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Rollout:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(path, n, f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise _fail(path, n, "each sample line must be a JSON object")
+    missing = [k for k in _SAMPLE_REQUIRED if k not in obj]
+    if missing:
+        raise _fail(path, n, f"sample misses field(s) {missing} (needs {list(_SAMPLE_REQUIRED)})")
+    prompt = _check_ids(path, n, "prompt_ids", obj["prompt_ids"], vocab_size)
+    resp = _check_ids(path, n, "response_ids", obj["response_ids"], vocab_size)
+    if not prompt:
+        raise _fail(path, n, "'prompt_ids' is empty")
+    if not resp:
+        raise _fail(path, n, "'response_ids' is empty")
+    lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], False)
+    if len(lps) != len(resp):
+        raise _fail(
+            path, n, f"'response_logprobs' has {len(lps)} values for {len(resp)} response tokens (must be equal)"
+        )
+    plp = obj.get("prompt_logprobs")
+    if plp is not None:
+        plp = _check_logprobs(path, n, "prompt_logprobs", plp, True)
+        if len(plp) != len(prompt):
             raise _fail(
-                path,
-                n,
-                f"'response_logprobs' has {len(lps)} values for {len(resp)} response tokens (must be equal)",
+                path, n, f"'prompt_logprobs' has {len(plp)} values for {len(prompt)} prompt tokens (must be equal)"
             )
-        plp = obj.get("prompt_logprobs")
-        if plp is not None:
-            plp = _check_logprobs(path, n, "prompt_logprobs", plp, True)
-            if len(plp) != len(prompt):
-                raise _fail(
-                    path,
-                    n,
-                    f"'prompt_logprobs' has {len(plp)} values for {len(prompt)} prompt tokens (must be equal)",
-                )
-        rollouts.append(Rollout(prompt, resp, lps, plp))
+    return Rollout(prompt, resp, lps, plp)
+
+
+def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[RolloutHeader, list[Rollout]]:
+    """Read and validate a dump. ``vocab_size`` (the model's) checks that every token id fits.
+
+    Raises :class:`RolloutFormatError` naming the file, line and problem.
+    """
+    path = Path(path)
+    lines = _read_lines(path)
+    header = _parse_header(path, lines[0])
+    rollouts = [
+        _parse_sample(path, n, text, vocab_size) for n, text in enumerate(lines[1:], start=2) if text.strip()
+    ]
     if not rollouts:
         raise RolloutFormatError(f"{path} has a header but no samples")
     return header, rollouts

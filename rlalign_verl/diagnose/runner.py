@@ -215,8 +215,64 @@ def _describe_mode(enforce_eager: bool, comp: dict[str, Any]) -> str:
     return "compiled"
 
 
-def _run_job(job: EngineJob) -> None:
+def _header(job: EngineJob, llm: Any, max_len: int, t_start: float, t_gen: float) -> RolloutHeader:
+    """The dump header: what the engine is, how it ran (as it reports it), and the checkpoint's identity."""
     import vllm
+
+    comp_info = _compilation_info(llm)
+    dist = engine_distribution() or ("vllm", getattr(vllm, "__version__", "unknown"))
+    mode = _describe_mode(job.enforce_eager, comp_info)
+    logprobs_mode = str(getattr(llm.llm_engine.vllm_config.model_config, "logprobs_mode", "raw_logprobs"))
+    header = RolloutHeader(
+        engine=dist[0],
+        engine_version=dist[1],
+        mode=mode,
+        model=str(Path(job.model_dir).resolve()),
+        dtype="bfloat16",
+        seed=job.seed,
+        sampling={
+            "temperature": job.temperature,
+            "top_p": job.top_p,
+            "top_k": job.top_k,
+            "max_tokens": job.max_tokens,
+            "ignore_eos": True,
+            "per_request_seed": f"{job.seed}*100003+index",
+        },
+        profile=engine_profile_for(mode == "eager", "cpu"),
+        device="cpu",
+        compilation=comp_info,
+        logprobs_mode=logprobs_mode,
+        extra={
+            "vllm_version": getattr(vllm, "__version__", "unknown"),
+            "whole_model_graph": mode == "compiled" and comp_info.get("mode") == "DYNAMO_TRACE_ONCE",
+            "engine_start_s": round(t_start, 2),
+            "generate_s": round(t_gen, 3),
+            "max_model_len": max_len,
+            "model_identity": model_identity(job.model_dir),
+            **job.extra,
+        },
+    )
+    return header
+
+
+def _rollouts(prompts: list[list[int]], outs: list[Any]) -> list[Rollout]:
+    """Rollouts from vLLM's request outputs: sampled ids, their log-probs, the prompt log-probs."""
+    rollouts = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.outputs[0]
+        resp = list(comp.token_ids)
+        lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, resp, strict=True)]
+        plp = None
+        if out.prompt_logprobs is not None:
+            plp = [
+                None if step is None else float(step[tok].logprob)
+                for step, tok in zip(out.prompt_logprobs, prompt, strict=True)
+            ]
+        rollouts.append(Rollout(list(prompt), resp, lps, plp))
+    return rollouts
+
+
+def _run_job(job: EngineJob) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -251,52 +307,7 @@ def _run_job(job: EngineJob) -> None:
     t1 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job.prompts], params, use_tqdm=False)
     t_gen = time.time() - t1
-    rollouts = []
-    for prompt, out in zip(job.prompts, outs, strict=True):
-        comp = out.outputs[0]
-        resp = list(comp.token_ids)
-        lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, resp, strict=True)]
-        plp = None
-        if out.prompt_logprobs is not None:
-            plp = [
-                None if step is None else float(step[tok].logprob)
-                for step, tok in zip(out.prompt_logprobs, prompt, strict=True)
-            ]
-        rollouts.append(Rollout(list(prompt), resp, lps, plp))
-    comp_info = _compilation_info(llm)
-    dist = engine_distribution() or ("vllm", getattr(vllm, "__version__", "unknown"))
-    mode = _describe_mode(job.enforce_eager, comp_info)
-    logprobs_mode = str(getattr(llm.llm_engine.vllm_config.model_config, "logprobs_mode", "raw_logprobs"))
-    header = RolloutHeader(
-        engine=dist[0],
-        engine_version=dist[1],
-        mode=mode,
-        model=str(Path(job.model_dir).resolve()),
-        dtype="bfloat16",
-        seed=job.seed,
-        sampling={
-            "temperature": job.temperature,
-            "top_p": job.top_p,
-            "top_k": job.top_k,
-            "max_tokens": job.max_tokens,
-            "ignore_eos": True,
-            "per_request_seed": f"{job.seed}*100003+index",
-        },
-        profile=engine_profile_for(mode == "eager", "cpu"),
-        device="cpu",
-        compilation=comp_info,
-        logprobs_mode=logprobs_mode,
-        extra={
-            "vllm_version": getattr(vllm, "__version__", "unknown"),
-            "whole_model_graph": mode == "compiled" and comp_info.get("mode") == "DYNAMO_TRACE_ONCE",
-            "engine_start_s": round(t_start, 2),
-            "generate_s": round(t_gen, 3),
-            "max_model_len": max_len,
-            "model_identity": model_identity(job.model_dir),
-            **job.extra,
-        },
-    )
-    write_rollouts(job.out, header, rollouts)
+    write_rollouts(job.out, _header(job, llm, max_len, t_start, t_gen), _rollouts(job.prompts, outs))
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort; the process exits anyway
