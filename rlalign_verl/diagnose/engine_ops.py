@@ -47,12 +47,6 @@ def engine_available() -> bool:
     return True
 
 
-def engine_version() -> str:
-    import vllm
-
-    return str(vllm.__version__)
-
-
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, backend="inductor", dynamic=True, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)

@@ -10,16 +10,15 @@ the critic's config never gets them, so the critic is left alone.
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Any
 
 from ..errors import AlignmentError
+from ..wrap_once import wrap_once
 from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
-_WRAPPED = "_rlalign_wrapped"
 
 
 def requested_alignment(module: Any) -> tuple[tuple[str, ...], str] | None:
@@ -163,17 +162,16 @@ def wrap_fsdp_engine(engine_module: ModuleType) -> None:
         err = _hook_target_error(f"{engine_module.__name__}.FSDPEngine._build_module")
         logger.error("%s", err)
         raise err
-    if getattr(build, _WRAPPED, False):
-        return
 
-    @functools.wraps(build)
-    def _build_module(self: Any, *args: Any, **kwargs: Any) -> Any:
-        module = build(self, *args, **kwargs)
-        try:
-            return align_module(module, role=_role(self))
-        finally:
-            hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
-            strip_flags(getattr(module, "config", None), hf_config)
+    def make(build: Any) -> Any:
+        def _build_module(self: Any, *args: Any, **kwargs: Any) -> Any:
+            module = build(self, *args, **kwargs)
+            try:
+                return align_module(module, role=_role(self))
+            finally:
+                hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+                strip_flags(getattr(module, "config", None), hf_config)
 
-    setattr(_build_module, _WRAPPED, True)
-    cls._build_module = _build_module
+        return _build_module
+
+    wrap_once(cls, "_build_module", make)

@@ -16,35 +16,31 @@ where the alignment is applied.
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Any
 
+from ..wrap_once import wrap_once
 from .import_hooks import when_imported
 
 LOADED = False
 """Set once :func:`install` has run (tests check it after a fresh ``import verl``)."""
 
 VERL_CONFIG_MODULE = "verl.utils.config"
-_WRAPPED = "_rlalign_wrapped"
 
 
 def _wrap_validate_config(module: ModuleType) -> None:
-    original = getattr(module, "validate_config", None)
-    if original is None or getattr(original, _WRAPPED, False):
-        return
+    def make(original: Any) -> Any:
+        def validate_config(config: Any, *args: Any, **kwargs: Any) -> Any:
+            from .config import validate_config as validate_alignment
+            from .one_line import one_line_errors
 
-    @functools.wraps(original)
-    def validate_config(config: Any, *args: Any, **kwargs: Any) -> Any:
-        from .config import validate_config as validate_alignment
-        from .one_line import one_line_errors
+            with one_line_errors():
+                validate_alignment(config)  # ours first: alignment errors before anything else
+            return original(config, *args, **kwargs)
 
-        with one_line_errors():
-            validate_alignment(config)  # ours first: alignment errors before anything else
-        return original(config, *args, **kwargs)
+        return validate_config
 
-    setattr(validate_config, _WRAPPED, True)
-    module.validate_config = validate_config
+    wrap_once(module, "validate_config", make)
 
 
 def _wrap_engine(module: ModuleType) -> None:
