@@ -19,6 +19,7 @@ HEAVY = ("vllm", "matplotlib")
 # path (relative to the package) -> why it may name vLLM: it patches vLLM inside vLLM's own process
 ALLOWED = {
     "verl/cpu/fixes.py": "opt-in CPU adaptations (RLALIGN_VERL_CPU=1) patch the vLLM rollout server itself",
+    "regions/attention.py": "opt-in attention region runs the engine's own CPU attention op (lazy import)",
 }
 
 
