@@ -218,3 +218,26 @@ def test_recommendation_picks_smallest_sufficient_set():
     assert recommend(res, None)["setting"] == "rope"
     res["all"] = row(0.11, ("rope", "swiglu", "rmsnorm"))
     assert recommend(res, None)["regions"] == []
+
+
+@pytest.mark.engine
+def test_seeds_pool_independent_samples(tmp_path):
+    """--seeds 2: every prompt sampled twice (different tokens), pooled; intervals in table and JSON."""
+    from rlalign_verl.diagnose.runner import engine_distribution
+
+    if engine_distribution() is None:
+        pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]')")
+    out = tmp_path / "out"
+    argv = ["diagnose", "--out", str(out), "--seeds", "2", "--num-prompts", "4", "--max-tokens", "8"]
+    assert cli_main([*argv, "--settings", "none,all", "--no-floor", "--no-probe", "--no-plots"]) == 0
+    res = json.loads((out / "diagnose.json").read_text())
+    assert res["sampling"]["seeds"] == 2 and res["sampling"]["num_prompts"] == 4
+    assert res["settings"]["none"]["mismatch/num_tokens"] == 2 * 4 * 8
+    from rlalign_verl.diagnose.rollouts import read_rollouts
+
+    _, rs = read_rollouts(out / "rollouts.jsonl")
+    assert [r.prompt_ids for r in rs[:4]] == [r.prompt_ids for r in rs[4:]]
+    assert any(a.response_ids != b.response_ids for a, b in zip(rs[:4], rs[4:], strict=True))
+    for row in res["settings"].values():
+        lo, hi = row["ci95"][MEAN]
+        assert lo <= row[MEAN] <= hi and lo < hi
