@@ -192,4 +192,7 @@ def test_generate_rollouts_is_deterministic_and_batch_invariant(engine_rollouts,
         assert a.response_ids == r.response_ids[:8]
         assert a.prompt_ids == r.prompt_ids
         diff = max(abs(x - y) for x, y in zip(a.response_logprobs, r.response_logprobs[:8], strict=True))
-        assert diff < 0.05, diff
+        # Tokens are the claim (per-request seeds); log-probs may move: a batch of 4 instead of 32 changes
+        # oneDNN's GEMM blocking, which can move a bf16 logit by one ulp (0.0625 for |logit| in [8, 16));
+        # seen up to 0.089 on a loaded 2-core machine. Two such ulps bound it.
+        assert diff < 0.125, diff
