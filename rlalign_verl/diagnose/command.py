@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AlignmentError
+from ..families import get_family
 from . import pipeline
 from .files import check_file_target, prepare_out_dir, write_text
-from .options import DEFAULT_SETTINGS, DiagnoseOptions
+from .options import DEFAULT_SETTINGS, DiagnoseOptions, parse_settings
+from .progress import stage
 from .recommend import extra_settings, recommend
 from .render import format_report, write_plots
+from .tiny import TINY_ARCHS
 
 
 def _add_source_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +43,7 @@ def _add_source_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="DIR", help="HF checkpoint directory (Qwen2/Qwen2.5, Qwen3, Llama)")
     src.add_argument(
         "--tiny",
-        choices=("qwen2", "qwen3", "llama"),
+        choices=TINY_ARCHS,
         default=None,
         help="built-in tiny model (default: qwen2)",
     )
@@ -145,13 +148,24 @@ def _sample(opts: DiagnoseOptions, dist: Any, out_dir: Path, timing: dict) -> pi
 
 
 def _settings(hf: Any, s: pipeline.Sample, opts: DiagnoseOptions, settings: list, timing: dict) -> tuple:
+    flips = None
+    if get_family(s.config.model_type).experts is not None:  # MoE: route flips, the opt-in moe region
+        from .moe_routes import RouteFlips
+        from .runner import engine_distribution
+
+        if opts.settings == DEFAULT_SETTINGS:
+            settings = settings + [x for x in parse_settings("moe,all+moe") if x not in settings]
+        t = time.time()
+        with stage("record the engine's expert choices (one prefill per rollout)"):
+            flips = RouteFlips.maybe(s.config, s.model_dir, s.rollouts, s.profile, engine_distribution())
+        timing["engine_routes_s"] = time.time() - t
     t = time.time()
-    done = pipeline.recompute_settings(hf, s, settings, opts.seed)
+    done = pipeline.recompute_settings(hf, s, settings, opts.seed, flips=flips)
     timing["recompute_s"] = time.time() - t
     results = {lab: m for lab, (m, _) in done.items()}
     per_token = {lab: pt for lab, (_, pt) in done.items()}
     extra = pipeline.recompute_settings(
-        hf, s, extra_settings(results, settings), opts.seed, " (for the recommendation)"
+        hf, s, extra_settings(results, settings), opts.seed, " (for the recommendation)", flips=flips
     )
     for lab, (m, pt) in extra.items():
         results[lab], per_token[lab] = {**m, "extra": True}, pt

@@ -281,6 +281,15 @@ class EngineFloor:
 
         return SiluAndMul.forward_native(torch.cat((gate, up), dim=-1))
 
+    def _mlp(self, m, x):
+        lin = self._linear
+        if not hasattr(m, "experts"):  # dense MLP (and Qwen2-MoE's shared expert)
+            act = self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
+            return lin(act, m.down_proj.weight, None)
+        from .engine_ops_moe import floor_experts
+
+        return floor_experts(self, m, x)
+
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         base = self.model.model
         lin = self._linear
@@ -308,9 +317,7 @@ class EngineFloor:
             h = lin(o, a.o_proj.weight, a.o_proj.bias)
             ln = layer.post_attention_layernorm
             x, residual = self._norm(h, ln.weight, residual)
-            m = layer.mlp
-            act = self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
-            h = lin(act, m.down_proj.weight, None)
+            h = self._mlp(layer.mlp, x)
         out, _ = self._norm(h, base.norm.weight, residual)
         return out
 

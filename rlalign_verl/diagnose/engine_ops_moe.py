@@ -68,3 +68,56 @@ def fused_experts(
         isa,
     )
     return out
+
+
+# --- the floor's MoE block: the engine's router and expert op, HF's matmuls ------------------------
+
+_FUSED_OP: dict[str, object] = {}
+
+
+def _fused_op():
+    """``rlalign::cpu_fused_moe``: the engine's expert op (prepacked weights), opaque to Dynamo/Inductor
+    as in the engine, returning a fresh tensor."""
+    if _FUSED_OP:
+        return _FUSED_OP["op"]
+
+    @torch.library.custom_op("rlalign::cpu_fused_moe", mutates_args=())
+    def op(
+        x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, isa: str
+    ) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, w, ids, False, "silu", isa)
+        return out
+
+    @op.register_fake
+    def _(x, w13, w2, w, ids, isa):
+        return torch.empty_like(x)
+
+    _FUSED_OP["op"] = op
+    return op
+
+
+def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
+    """An HF sparse MoE block as vLLM's CPU build runs it: ``GateLinear`` (bf16 logits), ``CPURouter``
+    softmax top-k (traced into the graph when compiled), ``cpu_fused_moe``; Qwen2-MoE adds its shared
+    expert ``sigmoid(gate(x)) * mlp(x)`` (vllm/model_executor/models/qwen2_moe.py) to the routed output."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
+
+    lin = floor._linear
+    packed = m.__dict__.setdefault("_rlalign_floor_packed", {})
+    isa = cpu_isa()
+    if isa not in packed:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        packed[isa] = (
+            cpu_prepack_moe_weight(m.experts.gate_up_proj.detach().contiguous(), isa),
+            cpu_prepack_moe_weight(m.experts.down_proj.detach().contiguous(), isa),
+        )
+    logits = lin(x, m.gate.weight, None)
+    w, ids = _softmax_topk(logits, m.gate.top_k, m.gate.norm_topk_prob)
+    out = _fused_op()(x, *packed[isa], w, ids, isa)
+    shared = getattr(m, "shared_expert", None)
+    if shared is not None:
+        s = floor._mlp(shared, x)
+        out = torch.sigmoid(lin(x, m.shared_expert_gate.weight, None)) * s + out
+    return out

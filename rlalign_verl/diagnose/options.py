@@ -77,4 +77,6 @@ def label(regions: tuple[str, ...]) -> str:
         return "none"
     if regions == REGIONS:
         return "all"
+    if set(REGIONS) < set(regions):  # all + an opt-in region (moe)
+        return "+".join(("all", *(r for r in regions if r not in REGIONS)))
     return "+".join(regions)

@@ -140,21 +140,30 @@ def measure(train: list, s: Sample, seed: int) -> tuple[dict[str, Any], list[flo
     return metrics, (t - e).abs()[mask].tolist()
 
 
-def recompute_settings(hf: Any, s: Sample, settings: list, seed: int, note: str = "") -> dict[str, Any]:
-    """``{label: (metrics, per_token)}`` for each ``(label, regions)`` setting, aligned with the profile."""
+def recompute_settings(
+    hf: Any, s: Sample, settings: list, seed: int, note: str = "", flips: Any = None
+) -> dict[str, Any]:
+    """``{label: (metrics, per_token)}`` for each ``(label, regions)`` setting, aligned with the profile.
+
+    ``flips`` (:class:`.moe_routes.RouteFlips`, MoE models) adds the routing-flip fractions to the metrics.
+    """
+    import contextlib
+
     from ..patch import apply_alignment, remove_alignment
 
     out = {}
     for label, regions in settings:
         apply_alignment(hf, regions=regions, engine=s.profile.name)
+        route_info: dict[str, Any] = {}
         try:
-            lps = recompute(
-                lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, f"recompute [{label}]{note}"
-            )
+            with flips.recording(hf, route_info) if flips else contextlib.nullcontext():
+                lps = recompute(
+                    lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, f"recompute [{label}]{note}"
+                )
         finally:
             remove_alignment(hf)
         metrics, per_token = measure(lps, s, seed)
-        metrics["regions"] = list(regions)
+        metrics.update(route_info, regions=list(regions))
         out[label] = (metrics, per_token)
     return out
 

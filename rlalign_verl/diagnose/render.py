@@ -47,7 +47,10 @@ def _table(result: dict[str, Any]) -> list[str]:
     fmean = floor[CI_KEYS[0]] if floor else None
     base = result["settings"].get("none", {}).get(CI_KEYS[0])
     head = f"{'setting':<22}" + "".join(f"{n:>11}" for n, _ in KEY_METRICS)
-    head += f"{'mean 95% CI':>22}{'vs none':>9}{'/floor':>8}  vs floor"
+    head += f"{'mean 95% CI':>22}{'vs none':>9}{'/floor':>8}"
+    has_flips = any("moe/route_flip_frac" in r for r in result["settings"].values())
+    head += f"{'route flip':>12}" if has_flips else ""
+    head += "  vs floor"
     lines = [head, "-" * len(head)]
     rows = list(result["settings"].items()) + ([(FLOOR_LABEL, floor)] if floor else [])
     for label, r in rows:
@@ -57,7 +60,9 @@ def _table(result: dict[str, Any]) -> list[str]:
         rel = f"{mean / fmean:>8.2f}" if fmean else f"{'':>8}"
         where = "" if label == FLOOR_LABEL else (floor_relation(r, floor) or "")
         name = label + (" *" if r.get("extra") else "")
-        lines.append(f"{name:<22}{cells}{_ci(r, CI_KEYS[0]):>22}{vs}{rel}  {where}".rstrip())
+        flip = r.get("moe/route_flip_frac")
+        flip_cell = (f"{100 * flip:>11.2f}%" if flip is not None else f"{'':>12}") if has_flips else ""
+        lines.append(f"{name:<22}{cells}{_ci(r, CI_KEYS[0]):>22}{vs}{rel}{flip_cell}  {where}".rstrip())
     if any(r.get("extra") for _, r in rows):
         lines.append("  * evaluated only for the recommendation")
     lines.append(FLOOR_NOTE if floor else (result.get("floor_note") or ""))
