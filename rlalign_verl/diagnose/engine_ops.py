@@ -257,6 +257,11 @@ class EngineFloor:
         self.rope_mod = rope_for_config(cfg, self.head_dim, dtype)
         self.cos_sin_cache = self.rope_mod.cos_sin_cache.to(dtype)
         self._linear, self._sdpa = _floor_custom_ops()
+        self.moe_isa = None
+        if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
+            from .engine_ops_moe import prepare_floor_experts
+
+            self.moe_isa = prepare_floor_experts(model)
         # As the engine compiles: static weight shapes, only the token count dynamic (marked per call).
         self._fn = (
             torch.compile(self._hidden, backend="inductor", fullgraph=True, options=CPU_INDUCTOR_OPTIONS)

@@ -97,6 +97,24 @@ def _fused_op():
     return op
 
 
+def prepare_floor_experts(model: torch.nn.Module) -> str:
+    """Prepack every sparse block's expert weights for ``cpu_fused_moe`` (once, outside any compiled code,
+    as the engine does after loading); returns the ISA."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    isa = cpu_isa()
+    for m in model.modules():
+        if hasattr(m, "experts") and hasattr(m, "gate") and "_rlalign_floor_w13" not in m.__dict__:
+            m.__dict__["_rlalign_floor_w13"] = cpu_prepack_moe_weight(
+                m.experts.gate_up_proj.detach().contiguous(), isa
+            )
+            m.__dict__["_rlalign_floor_w2"] = cpu_prepack_moe_weight(
+                m.experts.down_proj.detach().contiguous(), isa
+            )
+    _fused_op()
+    return isa
+
+
 def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
     """An HF sparse MoE block as vLLM's CPU build runs it: ``GateLinear`` (bf16 logits), ``CPURouter``
     softmax top-k (traced into the graph when compiled), ``cpu_fused_moe``; Qwen2-MoE adds its shared
@@ -104,18 +122,9 @@ def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
     lin = floor._linear
-    packed = m.__dict__.setdefault("_rlalign_floor_packed", {})
-    isa = cpu_isa()
-    if isa not in packed:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-
-        packed[isa] = (
-            cpu_prepack_moe_weight(m.experts.gate_up_proj.detach().contiguous(), isa),
-            cpu_prepack_moe_weight(m.experts.down_proj.detach().contiguous(), isa),
-        )
     logits = lin(x, m.gate.weight, None)
     w, ids = _softmax_topk(logits, m.gate.top_k, m.gate.norm_topk_prob)
-    out = _fused_op()(x, *packed[isa], w, ids, isa)
+    out = _fused_op()(x, m._rlalign_floor_w13, m._rlalign_floor_w2, w, ids, floor.moe_isa)
     shared = getattr(m, "shared_expert", None)
     if shared is not None:
         s = floor._mlp(shared, x)
