@@ -27,7 +27,11 @@ Run on a GPU machine with vLLM's CUDA build (no network needed, a few minutes)::
 
 Without CUDA or without vLLM's CUDA build it prints ``skipped: ...`` and exits 0. ``--device cpu`` runs
 the same machinery against vLLM's CPU ops (a development aid: its numbers say nothing about CUDA).
-Exit status: 0 when every case ran, 2 when some case raised (the error is in the table and JSON).
+On CPU each engine is checked against its CPU build's profile (``vllm`` -> ``vllm-cpu``, ``vllm-eager`` ->
+``vllm-cpu-eager``); ``--plant PROFILE`` checks every engine against PROFILE instead (a self-test: a wrong
+profile must fail). Exit status: 0 when every row passes, 1 when any case raised, any row's best rounding
+variant is not the profile's own, a Triton row is not bit-identical, or nothing was compared (the reasons
+are printed and in the JSON's ``problems``); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -463,7 +467,7 @@ def case_piece(eng: Engine, prof, h1, r0, w1, h2, w2, shape: str) -> list[Row]:
     def body(rows: list[Row]) -> None:
         assert eng.piece is not None
         e1, e2, er = eng.piece(h1, r0, w1, h2, w2, EPS)
-        o1, o2, orr = ours(prof.residual is not Residual.AT_ATTENTION)
+        o1, o2, orr = ours(prof.residual is Residual.EVERY_ADD)  # AT_ATTENTION / NEVER: not stored mid-piece
         scores = {
             f"mid_residual_rounded={b}": float(bit_identical(e2, ours(b)[1]).float().mean().item())
             for b in (True, False)
@@ -475,8 +479,11 @@ def case_piece(eng: Engine, prof, h1, r0, w1, h2, w2, shape: str) -> list[Row]:
     return _guarded("piece", eng.profile, shape, ("out1", "out2", "residual2"), body)
 
 
-def run_cases(engines: dict[str, Engine], device: str, quick: bool, seed: int) -> list[Row]:
-    """Every case for every engine, on fresh random bf16 inputs (``seed``)."""
+def run_cases(
+    engines: dict[str, Engine], device: str, quick: bool, seed: int, checked: dict[str, str] | None = None
+) -> list[Row]:
+    """Every case for every engine, on fresh random bf16 inputs (``seed``); ``checked`` maps an engine to
+    the profile compared with it (default: the engine's own name)."""
     from rlalign_verl.profiles import get_profile
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -490,7 +497,7 @@ def run_cases(engines: dict[str, Engine], device: str, quick: bool, seed: int) -
     hidden_sizes = (896, 4096) if quick else HIDDEN_SIZES
     rows: list[Row] = []
     for name, eng in engines.items():
-        prof = get_profile(name)
+        prof = get_profile((checked or {}).get(name, name))
         for hidden, tokens in itertools.product(hidden_sizes, TOKENS):
             scale = SCALES[(hidden // 512 + tokens) % len(SCALES)]
             x, r, w = (
@@ -625,6 +632,26 @@ def _table_rows(name: str, eng: Engine, device: str) -> list[Row]:
 # --- output -------------------------------------------------------------------------------------
 
 
+def verdict(rows: list[Row]) -> list[str]:
+    """Why this run fails (empty: it passes): a case that raised, a row where another rounding variant
+    matches the engine better than the profile's own, a Triton row that is not bit-identical, or nothing
+    compared at all."""
+    problems = [f"{r.region}/{r.profile}/{r.shape}/{r.output}: {r.error}" for r in rows if r.error]
+    compared = [r for r in rows if r.result is not None]
+    if not compared:
+        problems.append("nothing was compared (no engine could run here)")
+    for r in compared:
+        own = r.result["identical"]
+        if r.best is not None and r.best[1] - own > 1e-6:  # float noise between the two fraction sums
+            problems.append(
+                f"{r.region}/{r.profile}/{r.shape}/{r.output}: the profile matches {100 * own:.3f}% but "
+                f"{r.best[0]} matches {100 * r.best[1]:.3f}%"
+            )
+        elif r.profile == "triton" and own < 1.0:
+            problems.append(f"{r.region}/triton/{r.shape}: Triton kernel {100 * own:.3f}% identical to PyTorch")
+    return problems
+
+
 def format_table(rows: list[Row]) -> str:
     head = f"{'region':<12} {'profile':<10} {'shape':<36} {'output':<9} {'identical':>10} {'differ':>7} {'max_ulp':>8}  best variant"
     lines = [head, "-" * len(head)]
@@ -676,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--plant",
+        default=None,
+        help="check every engine against this (wrong) profile instead: the run must then exit 1",
+    )
+    parser.add_argument(
         "--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)"
     )
     args = parser.parse_args(argv)
@@ -696,15 +728,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         print("development run on CPU against vLLM's CPU ops: these numbers do NOT verify the CUDA profiles")
     engines, unavailable = make_engines(profiles)
+    if args.device == "cpu" and not args.plant and "vllm-eager" in engines:
+        del engines["vllm-eager"]  # vllm-cpu-eager runs forward_native norms/SiluAndMul, not these C++ kernels
+        unavailable["vllm-eager"] = "on CPU torch.ops._C's kernels are not what vllm-cpu-eager runs (forward_native)"
     for name, why in unavailable.items():
         print(f"profile {name}: not checked ({why})")
+    checked = _checked_profiles(list(engines), args.device, args.plant)
     with torch.no_grad():
-        rows = run_cases(engines, args.device, args.quick, args.seed)
+        rows = run_cases(engines, args.device, args.quick, args.seed, checked)
         if args.device == "cuda":
             rows += kernel_rows(args.device, args.quick, args.seed)
     print(format_table(rows))
     errors = sum(r.error is not None for r in rows)
+    problems = verdict(rows)
     payload = {
+        "verdict": "fail" if problems else "pass",
+        "problems": problems,
+        "checked_profiles": checked,
         "status": "ran",
         "device": _device_name(args.device),
         "torch": torch.__version__,
@@ -717,7 +757,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     _write_json(default_json_path(args.out), payload)
     print(f"{len(rows)} comparisons, {errors} errors, {payload['seconds']} s")
-    return 2 if errors else 0
+    for line in problems:
+        print(f"FAIL {line}")
+    print("verdict: " + ("FAIL" if problems else "pass"))
+    return 1 if problems else 0
+
+
+def _checked_profiles(engines: list[str], device: str, plant: str | None) -> dict[str, str]:
+    """The profile each engine is checked against: its own, its CPU build's (``--device cpu``), or ``plant``."""
+    from rlalign_verl.placement import DEVICE_COUNTERPART
+    from rlalign_verl.profiles import get_profile
+
+    if plant:
+        return dict.fromkeys(engines, get_profile(plant).name)
+    return {e: DEVICE_COUNTERPART.get((e, device), e) for e in engines}
 
 
 if __name__ == "__main__":

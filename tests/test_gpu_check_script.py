@@ -126,14 +126,18 @@ def test_layout_round_trip_and_table_from_cache() -> None:
 
 @pytest.mark.engine
 def test_cpu_development_run_against_vllm_cpu_ops(tmp_path: Path) -> None:
-    """The whole machinery on vLLM's CPU ops (eager ops only, so no compile): every case runs."""
+    """The whole machinery on vLLM's CPU ops (eager ops only, so no compile): every case runs, and a planted
+    wrong profile (``hf``: two SwiGLU roundings, vLLM's CPU kernel has one) fails the run (exit 1, one JSON)."""
     pytest.importorskip("vllm")
     out = tmp_path / "cpu.json"
-    proc = _run("--device", "cpu", "--quick", "--profiles", "vllm-eager", "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "do NOT verify the CUDA profiles" in proc.stdout
+    args = ("--device", "cpu", "--quick", "--profiles", "vllm-eager", "--plant", "hf", "--out", str(out))
+    proc = _run(*args, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "do NOT verify the CUDA profiles" in proc.stdout and "verdict: FAIL" in proc.stdout
     data = json.loads(out.read_text())
     assert data["status"] == "ran" and data["errors"] == 0
+    assert data["verdict"] == "fail" and data["checked_profiles"] == {"vllm-eager": "hf"}
+    assert any(p.startswith("swiglu/") and "r1 matches 100.000%" in p for p in data["problems"]), data["problems"]
     regions = {r["region"] for r in data["rows"]}
     assert regions == {"rmsnorm", "add_rmsnorm", "swiglu", "rope", "qknorm_rope", "rope_table"}
     by = {(r["region"], r["shape"], r["output"]): r for r in data["rows"]}
@@ -141,8 +145,9 @@ def test_cpu_development_run_against_vllm_cpu_ops(tmp_path: Path) -> None:
     assert all(r["result"]["identical"] == 1.0 for k, r in by.items() if k[2] == "residual")
     # vLLM's CPU silu_and_mul rounds once: the 1-rounding variant matches every element
     assert all(r["best"] == ["r1", 1.0] for k, r in by.items() if k[0] == "swiglu")
-    # RoPE with a bf16 table: our one-rounding formula equals the C++ op bit for bit
-    assert all(r["result"]["identical"] == 1.0 for k, r in by.items() if k[0] == "rope")
+    # RoPE with a bf16 table: our one-rounding formula equals the C++ op bit for bit (hf's three roundings do not)
+    assert all(r["best"] == ["r1", 1.0] for k, r in by.items() if k[0] == "rope" and k[2] == "q")
+    assert any(p.startswith("rope/") for p in data["problems"])
 
 
 def test_best_variant_lists_every_tie() -> None:
@@ -151,3 +156,24 @@ def test_best_variant_lists_every_tie() -> None:
     check._finish(row, a, a, {"out1/mean": 1.0, "out2/mean": 0.5, "out1/sum_div_n": 1.0})
     assert row.best == ("out1/mean = out1/sum_div_n", 1.0)
     assert row.result["identical"] == 1.0 and row.result["max_ulp"] == 0
+
+
+def _row(region: str = "swiglu", profile: str = "vllm", own: float = 1.0, best: float | None = None, error=None):
+    row = check.Row(region, profile, "T=7", "out")
+    if error is None:
+        row.result = {"n": 10, "identical": own, "differing": 0, "max_ulp": 0, "mean_ulp": 0.0}
+        row.best = None if best is None else ("r1", best)
+    row.error = error
+    return row
+
+
+def test_verdict_fails_on_every_kind_of_miss() -> None:
+    assert check.verdict([_row(own=0.99, best=0.99 + 1e-9), _row(profile="triton")]) == []
+    assert check.verdict([]) == ["nothing was compared (no engine could run here)"]
+    assert check.verdict([_row(error="RuntimeError: boom")]) == [
+        "swiglu/vllm/T=7/out: RuntimeError: boom",
+        "nothing was compared (no engine could run here)",
+    ]
+    assert "r1 matches 100.000%" in check.verdict([_row(own=0.7, best=1.0)])[0]
+    assert "Triton kernel 99.000% identical" in check.verdict([_row(profile="triton", own=0.99)])[0]
+
