@@ -66,6 +66,10 @@ BAD = {
     "regions=5": (["alignment.regions=5"], {}, None, ConfigFormatError, "alignment.regions=[rope"),
     "regions mapping": ([], {"alignment.regions": {"a": 1}}, None, ConfigFormatError, "not a list of region names"),
     "regions typo": (["alignment.regions=[rope,swigl]"], {}, None, UnknownRegionError, "valid regions"),
+    "key typo +alignment.compiled": (
+        ["+alignment.compiled=true"], {}, None, ConfigFormatError, "did you mean alignment.compile?"
+    ),
+    "unknown key": (["+alignment.speed=fast"], {}, None, ConfigFormatError, "valid keys: compile, engine"),
     "metrics=maybe": (["alignment.metrics=maybe"], {}, None, ConfigFormatError, "alignment.metrics=false"),
     "metrics=2": (["alignment.metrics=2"], {}, None, ConfigFormatError, "alignment.metrics=true"),
     "compile=maybe": (["alignment.compile=maybe"], {}, None, ConfigFormatError, "alignment.compile=false"),

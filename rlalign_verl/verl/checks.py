@@ -79,3 +79,32 @@ def local_config_json(path: Any) -> str | None:
     local = os.path.expanduser(str(path))
     cfg_file = os.path.join(local, "config.json")
     return cfg_file if os.path.isfile(cfg_file) else None
+
+
+OPTIONAL_KEYS = ("metrics_quantiles",)
+"""``alignment`` keys that are not in the group's ``default.yaml`` (set with ``+alignment.<key>=...``)."""
+
+
+def alignment_keys() -> set[str]:
+    """The keys the ``alignment`` group defines (read from its ``default.yaml``) plus :data:`OPTIONAL_KEYS`."""
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    default = OmegaConf.load(str(files("rlalign_verl.configs").joinpath("alignment", "default.yaml")))
+    return set(default.alignment) | set(OPTIONAL_KEYS)
+
+
+def check_alignment_keys(node: Mapping) -> None:
+    """Refuse a key the plugin does not read (``+alignment.compiled=true`` would be silently ignored)."""
+    known = alignment_keys()
+    unknown = sorted(str(k) for k in node if str(k) not in known)
+    if not unknown:
+        return
+    import difflib
+
+    hints = [f"alignment.{m[0]}" for k in unknown if (m := difflib.get_close_matches(k, known, n=1))]
+    hint = f"did you mean {', '.join(hints)}? " if hints else ""
+    raise ConfigFormatError(
+        f"unknown alignment key(s) {unknown}; {hint}valid keys: {', '.join(sorted(known))}"
+    )

@@ -14,7 +14,13 @@ from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError, Un
 from ..options import option_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
-from .checks import check_alignment_node, json_setting, local_config_json, read_config_json
+from .checks import (
+    check_alignment_keys,
+    check_alignment_node,
+    json_setting,
+    local_config_json,
+    read_config_json,
+)
 from .log import logger
 
 REGIONS_KEY = "rlalign_regions"
@@ -167,6 +173,8 @@ def resolve_alignment_config(
     """
     alignment = _select(config, "alignment")
     check_alignment_node(alignment)
+    if alignment is not None:
+        check_alignment_keys(alignment)
     if alignment is None:
         return (), None, "no alignment config (add +alignment=default): alignment off"
     regions = normalize_regions(_plain(_select(config, "alignment.regions")))
