@@ -14,6 +14,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from rlalign_verl import apply_alignment, get_alignment, remove_alignment
 from rlalign_verl.errors import (
+    AlignmentError,
     AlignmentOverriddenError,
     ConfigFormatError,
     UnknownProfileError,
@@ -41,6 +42,7 @@ BAD = {
     "engine typo": (tiny, {"engine": "trtllm"}, UnknownProfileError, "valid profiles"),
     "engine a number": (tiny, {"engine": 5}, UnknownProfileError, "valid profiles"),
     "compile='maybe'": (tiny, {"compile": "maybe"}, ConfigFormatError, "compile=false"),
+    "kernels a number": (tiny, {"kernels": 5}, AlignmentError, "unknown kernels=5"),
 }
 
 
