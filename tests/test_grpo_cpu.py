@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
-LR = "1e-2"
+LR = "1e-3"
 MISMATCH_KEYS = {f"mismatch/{k}" for k in METRIC_NAMES + COUNT_NAMES}
 
 
