@@ -120,7 +120,8 @@ def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
     """The engine profile for ``--alignment.engine`` and why.
 
     ``auto``/``vllm``: OpenRLHF always rolls out with vLLM on GPUs, so the compiled ``vllm`` profile, or
-    ``vllm-eager`` with ``--vllm.enforce_eager``. Any other profile name is taken as given.
+    ``vllm-eager`` with ``--vllm.enforce_eager``. Another vLLM profile is taken as given when it agrees with
+    ``--vllm.enforce_eager`` (an ``-eager`` profile needs it, a compiled one must not have it).
     """
     name = str(engine).strip().lower()
     if name in ("auto", "vllm"):
@@ -132,6 +133,12 @@ def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
         raise ProfileMismatchError(
             f"--alignment.engine {profile.name} mirrors {profile.engine}, but OpenRLHF samples with vLLM; use "
             f"--alignment.engine auto (or vllm, vllm-eager)"
+        )
+    if profile.name.endswith("-eager") != enforce_eager:  # eager kernels vs compiled graph: other roundings
+        runs = "eager (--vllm.enforce_eager)" if enforce_eager else "compiled (no --vllm.enforce_eager)"
+        raise ProfileMismatchError(
+            f"--alignment.engine {profile.name} contradicts OpenRLHF's vLLM, which runs {runs}; use "
+            f"--alignment.engine auto, or {'drop' if enforce_eager else 'add'} --vllm.enforce_eager"
         )
     return profile.name, "given by --alignment.engine"
 
