@@ -198,3 +198,13 @@ def test_attention_region_on_model(variant: str) -> None:
     assert all(p.grad is None or torch.isfinite(p.grad.float()).all() for p in model.parameters())
     remove_alignment(model)
     assert torch.equal(model(input_ids=ids).logits, ref)
+
+
+@pytest.mark.parametrize("regions,match", [("rope,lm_head", "head_dtype"), ("rope,attention", "FlashAttention")])
+def test_openrlhf_refuses_opt_in_regions_it_cannot_align(regions: str, match: str) -> None:
+    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.openrlhf.settings import parse_launcher_args
+
+    with pytest.raises(AlignmentError, match=match) as e:
+        parse_launcher_args(["--alignment.regions", regions, "--alignment.engine", "vllm"])
+    assert "\n" not in str(e.value)

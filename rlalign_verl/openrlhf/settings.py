@@ -143,6 +143,20 @@ def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
     return profile.name, "given by --alignment.engine"
 
 
+def check_opt_in(regions: Sequence[str], profile: str) -> None:
+    """lm_head: OpenRLHF builds its vLLM engines without a way for us to set ``head_dtype``; attention: per profile."""
+    if "lm_head" in regions:
+        raise AlignmentError(
+            "--alignment.regions lm_head is not supported with OpenRLHF: the launcher cannot set the vLLM engines' "
+            "head_dtype, so trainer and engine heads could disagree; drop lm_head (verl sets both sides)"
+        )
+    if "attention" in regions:
+        from ..profiles import get_profile
+        from ..regions.attention import check_attention_supported
+
+        check_attention_supported(get_profile(profile))
+
+
 def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
     """Refuse Liger kernels together with alignment: both replace the same forwards."""
     if regions and switch_on(argv, LIGER_FLAGS):
@@ -201,6 +215,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     regions = normalize_regions(ns.regions)
     profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     check_liger(regions, rest)
+    check_opt_in(regions, profile)
     settings = Settings(
         regions=regions,
         profile=profile,

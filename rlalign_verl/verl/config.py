@@ -354,6 +354,17 @@ def _check_expert_parallel(config: Any) -> None:
         )
 
 
+def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | None) -> None:
+    """attention: a profile whose attention can be reproduced; lm_head: one head dtype on both sides."""
+    from .head_dtype import reconcile_head_dtype, write_worker_options
+
+    if "attention" in regions:
+        from ..regions.attention import check_attention_supported
+
+        check_attention_supported(get_profile(profile), str(_select(config, "alignment.attention", "engine-op")))
+    write_worker_options(config, regions, reconcile_head_dtype(config, regions))
+
+
 def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[str, ...], str | None]:
     """Check the alignment settings against the rest of the verl config; raise a clear error if wrong.
 
@@ -405,6 +416,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
             )
     _check_metrics(config)
     _write_worker_settings(config, regions, profile, compile_)
+    _check_opt_in_regions(config, regions, profile)
     if regions:
         logger.info(
             "alignment regions=%s profile=%s (%s); actor and ref are patched, critic untouched",

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import AlignmentError
 from ..wrap_once import wrap_once
 from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
+from .head_dtype import ATTENTION_KEY, HEAD_DTYPE_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -78,11 +79,12 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
     compile_ = bool(getattr(getattr(module, "config", None), COMPILE_KEY, False))
     kernels = getattr(getattr(module, "config", None), KERNELS_KEY, None)  # None: RLALIGN_TRITON=1 or torch
+    opt_in = opt_in_options(getattr(module, "config", None))
     try:
         from ..patch import apply_alignment, get_alignment
 
         engine = _placed_profile(module, engine)
-        apply_alignment(module, regions=regions, engine=engine, compile=compile_, kernels=kernels)
+        apply_alignment(module, regions=regions, engine=engine, compile=compile_, kernels=kernels, **opt_in)
         state = get_alignment(module)
     except Exception as err:
         logger.error(
@@ -104,10 +106,20 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     return module
 
 
+def opt_in_options(hf_config: Any) -> dict[str, str]:
+    """``apply_alignment`` keywords of the opt-in regions that the driver put on the HF config."""
+    out = {}
+    if getattr(hf_config, ATTENTION_KEY, None):
+        out["attention"] = str(getattr(hf_config, ATTENTION_KEY))
+    if getattr(hf_config, HEAD_DTYPE_KEY, None):
+        out["head_dtype"] = str(getattr(hf_config, HEAD_DTYPE_KEY))
+    return out
+
+
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
     for cfg in configs:
-        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY):
+        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY, HEAD_DTYPE_KEY, ATTENTION_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 
