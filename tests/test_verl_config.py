@@ -66,7 +66,8 @@ def qwen2_path(tiny_checkpoint) -> str:
 @pytest.mark.parametrize("regions_arg,expected", REGION_CASES, ids=["rope", "all", "none"])
 def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
     cfg = _resolved(composer(f"alignment.regions={regions_arg}", "actor_rollout_ref.rollout.name=vllm"))
-    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch"}
+    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch",
+                                   "attention": "engine-op", "head_dtype": "float32"}
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
     assert cfg["critic"]["model"]["override_config"] == {}
@@ -148,7 +149,8 @@ def test_cfg_job_subprocess():
         )
         expected += [want, want]
     for cfg, want in zip(_cfg_job_runs(runs), expected, strict=True):
-        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch"}
+        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch",
+                                    "attention": "engine-op", "head_dtype": "float32"}
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,
             "rlalign_engine": "auto",
