@@ -410,6 +410,7 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
             "aligned": fwd_bwd(lambda a, b: apply_rope(a, b, tcos, tsin, p.rope), q, k),
         },
     }
+    cases.update(_opt_in_cases(p, tokens, hidden, leaf, fwd_bwd))
     if compiled:
         from rlalign_verl.regions.compiled import compiled_regions
 
@@ -419,6 +420,35 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
             lambda a, r, ww: c.add_rms_norm(a, r, ww, 1e-6, round_residual=True), h, res, w
         )
         cases["rope"]["compiled"] = fwd_bwd(lambda a, b: c.apply_rope(a, b, tcos, tsin), q, k)
+    return cases
+
+
+def _opt_in_cases(p, tokens: int, hidden: int, leaf: Callable, fwd_bwd: Callable) -> dict[str, dict]:
+    """attention (vLLM CPU profiles: engine op / fp32 SDPA vs HF's bf16 SDPA) and lm_head (fp32 head vs bf16)."""
+    import torch.nn.functional as F
+
+    from rlalign_verl.regions.attention import aligned_attention, engine_op_available
+    from rlalign_verl.regions.lm_head import Fp32HeadFn
+
+    vocab = 32 * hidden
+    hh, wh = leaf(tokens, hidden), leaf(vocab, hidden, scale=0.05)
+    cases: dict[str, dict] = {"lm_head": {
+        "hf": fwd_bwd(lambda a, ww: F.linear(a, ww), hh, wh),
+        "aligned": fwd_bwd(lambda a, ww: Fp32HeadFn.apply(a, ww, None, p.device == "cuda"), hh, wh),
+    }}  # fmt: skip
+    if p.engine != "vllm" or p.device != "cpu":
+        return cases
+    heads, kv, hd = hidden // 64, max(1, hidden // 256), 64
+    q, k, v = leaf(1, heads, tokens, hd), leaf(1, kv, tokens, hd), leaf(1, kv, tokens, hd)
+    pos = torch.arange(tokens)[None]
+
+    def hf(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+
+    cases["attention"] = {"hf": fwd_bwd(hf, q, k, v)}
+    if engine_op_available()[0]:
+        cases["attention"]["aligned"] = fwd_bwd(lambda a, b, c: aligned_attention(a, b, c, pos, None), q, k, v)
+    cases["attention"]["sdpa-fp32"] = fwd_bwd(lambda a, b, c: aligned_attention(a, b, c, pos, None, "sdpa-fp32"), q, k, v)
     return cases
 
 
