@@ -30,7 +30,7 @@ from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
 from .regions import normalize_regions
 from .regions.attention import attention_interface, check_attention_supported
 from .regions.lm_head import head_forward, parse_head_dtype
-from .regions.residual_stream import carry_for, check_stream, pack, unpack
+from .regions.residual_stream import carry_for, pack, unpack
 from .regions.rmsnorm import add_rms_norm, rms_norm
 from .regions.rope import apply_rope, rope_table
 from .regions.swiglu import swiglu
@@ -176,8 +176,7 @@ def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Modul
 
 
 def _layer_forward(st: AlignmentState) -> Callable:
-    """vLLM-style layer: returns ``[..., H]`` with the residual stream packed as ``carry_for(profile)`` says
-    riding along (:mod:`.regions.residual_stream`)."""
+    """vLLM-style layer: takes and returns the residual stream packed as ``carry_for(profile)`` says."""
     mode = st.profile.residual
     carry = carry_for(st.profile)
     # the input norm's residual leaves the compiled piece before attention (AT_ATTENTION) or is
@@ -196,7 +195,6 @@ def _layer_forward(st: AlignmentState) -> Callable:
         **kwargs,
     ) -> torch.Tensor:
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
-        check_stream(self, hidden_states, carry, getattr(self.self_attn, "layer_idx", None))
         # (h, r), or (the sum, None): a carried sum, or the embedding in the first layer
         h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
         x, residual = add_rms_norm(

@@ -13,8 +13,7 @@ Counted two ways on a tiny bf16 Qwen2 (3 layers, hidden 256, intermediate 704 as
 Allowance (gradient checkpointing only): the residual stream crosses each checkpointed layer boundary as
 one packed tensor (:mod:`rlalign_verl.regions.residual_stream`): ``[T, H]`` (the rounded sum, as HF) for
 ``vllm-eager``, ``[T, 2H]`` (hidden + bf16 residual) for ``sglang``, ``[T, 3H]`` (three limbs of the fp32
-sum) for ``vllm``, where HF keeps ``[T, H]``. The layer output users see is ``[T, H]``: a view of the first
-limb for ``vllm`` (free), a separate ``R(h + r)`` for ``sglang`` (one more ``[T, H]``: width 3 in all).
+sum) for ``vllm``, where HF keeps ``[T, H]``.
 So every layer input after the first costs ``(width - 1) * T * H * 2`` extra bytes; that is the
 whole allowance (the engine really carries that state between layers).
 """
@@ -32,7 +31,7 @@ from rlalign_verl.patch import apply_alignment, remove_alignment
 BF = torch.bfloat16
 H, INTER, LAYERS, T = 256, 704, 3, 64
 PROFILES = ("vllm", "vllm-eager", "sglang")
-PACKED_WIDTH = {"vllm": 3, "vllm-eager": 1, "sglang": 3}  # the layer-boundary tensors, in units of H
+PACKED_WIDTH = {"vllm": 3, "vllm-eager": 1, "sglang": 2}  # the layer-boundary tensor, in units of H
 
 
 def build() -> torch.nn.Module:

@@ -15,12 +15,6 @@ So every tensor crossing a layer boundary has the activation dtype and FSDP2's
 ``cast_forward_inputs`` (which casts layer inputs to bf16) cannot round it. Gradients travel the same
 way, so the fp32 gradient of an fp32 sum is exact too. A ``[..., H]`` tensor is also what the first
 layer receives (the embedding): in both cases the norm's input *is* the sum.
-
-What a layer *returns* is always ``[..., H]``: the rounded sum ``R(h + r)``, the hidden state HF itself
-would show (``output_hidden_states``, forward hooks). For ``PAIR``/``FP32_SUM`` the packed stream rides
-along as the attribute :data:`STREAM_ATTR` of that tensor (for limbs the visible tensor is a view of
-the first limb, so it costs nothing); :func:`unpack` reads it. A tensor without it (the embedding, or a
-layer output replaced by a hook) is taken as the sum itself.
 """
 
 from __future__ import annotations
@@ -30,9 +24,6 @@ from enum import Enum
 import torch
 
 from ..profiles import EngineProfile, Residual, Source
-
-STREAM_ATTR = "_rlalign_stream"
-"""Attribute of a layer's visible ``[..., H]`` output holding the packed ``[..., 2H]``/``[..., 3H]`` stream."""
 
 
 class Carry(str, Enum):
@@ -84,8 +75,8 @@ class _FromLimbs(torch.autograd.Function):
         return torch.cat(_split_fp32(g.float(), ctx.dtype), dim=-1)
 
 
-def pack_stream(hidden: torch.Tensor, residual: torch.Tensor, carry: Carry) -> torch.Tensor:
-    """One tensor of ``hidden.dtype`` carrying ``hidden + residual`` as ``carry`` says (width H, 2H or 3H)."""
+def pack(hidden: torch.Tensor, residual: torch.Tensor, carry: Carry) -> torch.Tensor:
+    """One tensor of ``hidden.dtype`` carrying ``hidden + residual`` as ``carry`` says."""
     if carry is Carry.PAIR:
         return torch.cat((hidden, residual.to(hidden.dtype)), dim=-1)
     s = hidden.float() + residual.float()  # the fp32 sum the engine's next norm forms
@@ -94,51 +85,8 @@ def pack_stream(hidden: torch.Tensor, residual: torch.Tensor, carry: Carry) -> t
     return _ToLimbs.apply(s, hidden.dtype)
 
 
-def pack(hidden: torch.Tensor, residual: torch.Tensor, carry: Carry) -> torch.Tensor:
-    """The layer output: ``R(hidden + residual)`` ``[..., H]``, with the packed stream as :data:`STREAM_ATTR`."""
-    stream = pack_stream(hidden, residual, carry)
-    width = hidden.shape[-1]
-    if stream.shape[-1] == width:
-        return stream
-    if carry is Carry.FP32_SUM:
-        visible = stream[..., :width]  # the first limb is R(s): a view, no copy
-    else:
-        visible = (hidden.float() + residual.float()).to(hidden.dtype)  # R(h + r), what HF's layer returns
-    setattr(visible, STREAM_ATTR, stream)
-    return visible
-
-
-def has_stream(x: torch.Tensor) -> bool:
-    """Whether ``x`` carries a packed residual stream (a layer output of a PAIR/FP32_SUM profile)."""
-    return getattr(x, STREAM_ATTR, None) is not None
-
-
-def check_stream(layer: torch.nn.Module, x: torch.Tensor, carry: Carry, layer_idx: int | None) -> None:
-    """Raise where the packed stream would be lost: a decoder layer after the first receiving a bare
-    ``[..., H]`` tensor (a hook replaced the previous output), or reentrant gradient checkpointing (it
-    runs the layers without autograd and recomputes them from detached inputs)."""
-    if carry is Carry.ROUNDED_SUM or x.dtype == torch.float32:
-        return
-    ckpt = getattr(layer, "_gradient_checkpointing_func", None)
-    reentrant = getattr(layer, "gradient_checkpointing", False) and layer.training and (
-        getattr(ckpt, "keywords", {}).get("use_reentrant", False)
-    )
-    if not reentrant and (not layer_idx or has_stream(x)):
-        return
-    from ..errors import AlignmentError
-
-    raise AlignmentError(
-        f"decoder layer {layer_idx} would lose the packed residual stream (a forward hook replaced the previous "
-        f"layer's output, or reentrant gradient checkpointing); return the layer's own output from hooks and use "
-        f"gradient_checkpointing_kwargs={{'use_reentrant': False}}"
-    )
-
-
 def unpack(x: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Inverse of :func:`pack` / :func:`pack_stream`: ``(h, r)`` for a pair, else ``(sum, None)`` (fp32 for limbs)."""
-    stream = getattr(x, STREAM_ATTR, None)
-    if stream is not None:
-        x = stream
+    """Inverse of :func:`pack`: ``(h, r)`` for a pair, else ``(sum, None)`` (fp32 for limbs)."""
     parts = x.shape[-1] // hidden_size
     if x.shape[-1] % hidden_size or parts not in (1, 2, 3):
         raise ValueError(
