@@ -15,223 +15,33 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from .errors import AlignmentError, LigerConflictError, UnsupportedModelError
 from .families import FAMILIES, ModelFamily, get_family
+from .forwards import (
+    AlignmentState,
+    attention_forward,
+    final_norm_forward,
+    layer_forward,
+    mlp_forward,
+    region_fns,
+)
 from .guard import SAVED_FORWARD, check_intact, check_model_arg
 from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
 from .options import parse_bool
-from .profiles import DEFAULT_PROFILE, HF, EngineProfile, Residual, get_profile
+from .profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from .regions import normalize_regions
-from .regions.attention import attention_interface, check_attention_supported
+from .regions.attention import check_attention_supported
 from .regions.lm_head import head_forward, parse_head_dtype
-from .regions.residual_stream import carry_for, pack, unpack
-from .regions.rmsnorm import add_rms_norm, rms_norm
-from .regions.rope import apply_rope, rope_table
-from .regions.swiglu import swiglu
 
 logger = logging.getLogger("rlalign_verl")
 
 _STATE_ATTR = "_rlalign_state"
 _SAVED_FORWARD = SAVED_FORWARD
 
-
-@dataclass(frozen=True)
-class AlignmentState:
-    """What is active on a model: the regions and the engine profile they mirror."""
-
-    regions: tuple[str, ...]
-    profile: EngineProfile
-    model_type: str
-    compiled: bool = False
-    """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
-    kernels: str = "torch"
-    """SwiGLU/RoPE forwards on CUDA: ``"torch"`` fp32 ops (default) or the opt-in ``"triton"`` kernels."""
-    attention_variant: str = "engine-op"
-    """``attention`` region: ``engine-op`` or ``sdpa-fp32`` (:mod:`.regions.attention`)."""
-    head_dtype: str = "float32"
-    """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
-
-    def describe(self) -> str:
-        extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
-        extra += f" attention={self.attention_variant}" if "attention" in self.regions else ""
-        extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
-        return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
-
-    # the rounding each region uses: the profile's where aligned, HF's own elsewhere
-    @property
-    def rope(self):
-        return self.profile.rope if "rope" in self.regions else HF.rope
-
-    @property
-    def swiglu(self):
-        return self.profile.swiglu if "swiglu" in self.regions else HF.swiglu
-
-    @property
-    def norm(self):
-        return self.profile.norm if "rmsnorm" in self.regions else HF.norm
-
-
-# --- aligned forwards (bound to instances; ``st`` is closed over) ---------------------------------
-
-
-def _region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
-    """``(swiglu(g, u), rope(q, k, cos, sin, out_dtype))`` with ``st``'s rounding, eager or compiled."""
-    if st.compiled:
-        from .regions.compiled import compiled_regions
-
-        fns = compiled_regions(st.profile, exact=True)
-        if "rope" in st.regions:  # compiled with the profile's rounding: only where rope is aligned
-            return fns.swiglu, fns.apply_rope
-        return fns.swiglu, lambda q, k, cos, sin, out_dtype: apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
-
-    triton = st.kernels == "triton"
-
-    def swiglu_fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return swiglu(gate, up, st.swiglu, triton=triton)
-
-    def rope_fn(q, k, cos, sin, out_dtype):
-        return apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype, triton=triton)
-
-    return swiglu_fn, rope_fn
-
-
-def _mlp_forward(swiglu_fn: Callable) -> Callable:
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
-
-    return forward
-
-
-def _attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module, rope_fn: Callable) -> Callable:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    eager_attention = family.module().eager_attention_forward
-    norm_on = "rmsnorm" in st.regions
-    # Inductor fuses q/k-norm into RoPE on some paths: the normalised q/k is then never rounded.
-    fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
-    fp32_table = st.rope.table == "fp32"
-    rotary_ref = weakref.ref(rotary)
-    # the hf profile keeps HF's own attention (aligning to it changes nothing)
-    on = "attention" in st.regions and st.profile.engine != "hf"
-    aligned_attn = attention_interface(st.attention_variant) if on else None
-
-    def forward(
-        self: nn.Module,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        past_key_values=None,
-        **kwargs,
-    ):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)
-        k = self.k_proj(hidden_states).view(hidden_shape)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if family.qk_norm:
-            if norm_on:
-                q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
-                k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
-            else:
-                q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-
-        if fp32_table:
-            position_ids = kwargs.get("position_ids")
-            if position_ids is None:
-                raise ValueError("an fp32-table RoPE profile needs position_ids in the attention call")
-            rot = rotary_ref()
-            cos, sin = rope_table(rot.inv_freq, position_ids, rot.attention_scaling)
-        else:
-            cos, sin = position_embeddings
-        q, k = rope_fn(q, k, cos, sin, out_dtype=v.dtype)
-
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        attention = aligned_attn or ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention
-        )
-        if hasattr(self, "sliding_window"):
-            kwargs["sliding_window"] = self.sliding_window
-        out, weights = attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
-        out = out.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(out), weights
-
-    return forward
-
-
-def _layer_forward(st: AlignmentState) -> Callable:
-    """vLLM-style layer: takes and returns the residual stream packed as ``carry_for(profile)`` says."""
-    mode = st.profile.residual
-    carry = carry_for(st.profile)
-    # the input norm's residual leaves the compiled piece before attention (AT_ATTENTION) or is
-    # stored at every add (EVERY_ADD); only a one-graph model (NEVER) keeps it fp32 throughout.
-    round_at_input = mode in (Residual.EVERY_ADD, Residual.AT_ATTENTION)
-    round_at_post = mode is Residual.EVERY_ADD
-
-    def forward(
-        self: nn.Module,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
-        # (h, r), or (the sum, None): a carried sum, or the embedding in the first layer
-        h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
-        x, residual = add_rms_norm(
-            h,
-            residual,
-            ln_in.weight,
-            ln_in.variance_epsilon,
-            st.norm,
-            round_residual=round_at_input,
-            out_dtype=hidden_states.dtype,
-        )
-        a, _ = self.self_attn(
-            hidden_states=x,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        x, residual = add_rms_norm(
-            a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post
-        )
-        return pack(self.mlp(x), residual, carry)
-
-    return forward
-
-
-def _final_norm_forward(st: AlignmentState) -> Callable:
-    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        h, residual = unpack(hidden_states, self.weight.shape[-1])
-        y, _ = add_rms_norm(
-            h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
-        )
-        return y
-
-    return forward
 
 
 # --- instance patching -------------------------------------------------------------------------
@@ -320,10 +130,10 @@ def _patch_instance(
     base = _base_model(model, family)
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or "attention" in regions or ("rmsnorm" in regions and family.qk_norm)
-    swiglu_fn, rope_fn = _region_fns(st)
-    attn_fwd = _attention_forward(st, family, base.rotary_emb, rope_fn) if attn_needed else None
-    mlp_fwd = _mlp_forward(swiglu_fn) if "swiglu" in regions else None
-    layer_fwd = _layer_forward(st) if "rmsnorm" in regions else None
+    swiglu_fn, rope_fn = region_fns(st)
+    attn_fwd = attention_forward(st, family, base.rotary_emb, rope_fn) if attn_needed else None
+    mlp_fwd = mlp_forward(swiglu_fn) if "swiglu" in regions else None
+    layer_fwd = layer_forward(st) if "rmsnorm" in regions else None
     for m in model.modules():
         if attn_fwd and isinstance(m, attn_cls):
             _bind(m, attn_fwd)
@@ -333,7 +143,7 @@ def _patch_instance(
             _bind(m, layer_fwd)
     bind_moe(model, family, profile.moe, regions, _bind)
     if layer_fwd:
-        _bind(base.norm, _final_norm_forward(st))
+        _bind(base.norm, final_norm_forward(st))
     if "lm_head" in regions and st.head_dtype == "float32":  # head_dtype "model": HF's bf16 head is the engine's
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):

@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigFormatError
+from ..errors import AlignmentError, ConfigFormatError
+from ..options import option_bool
 
 SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
 """The override that makes verl's own entry point find the ``alignment`` config group."""
@@ -108,3 +109,27 @@ def check_alignment_keys(node: Mapping) -> None:
     raise ConfigFormatError(
         f"unknown alignment key(s) {unknown}; {hint}valid keys: {', '.join(sorted(known))}"
     )
+
+
+EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
+
+
+def check_expert_parallel(size: Any) -> None:
+    """MoE: the rollout must run every expert of a token on one rank (its combine is what we mirror)."""
+    if size not in (None, 1):
+        raise AlignmentError(
+            f"{EP_KEY}={size}: MoE alignment mirrors experts combined on one rank only (expert parallel sums the "
+            f"ranks' partial outputs in bf16); set {EP_KEY}=1 or alignment.regions=[]"
+        )
+
+
+def check_kernels(value: Any, compile_value: Any) -> str:
+    """``alignment.kernels``: ``torch`` (default) or the opt-in ``triton``, never together with compile."""
+    from ..kernels import KERNELS
+
+    kernels = str(value or "torch").strip().lower()
+    if kernels not in KERNELS:
+        raise AlignmentError(f"alignment.kernels={kernels!r}: use torch (default) or triton")
+    if kernels == "triton" and option_bool(compile_value, name="alignment.compile", default=False):
+        raise AlignmentError("alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one")
+    return kernels

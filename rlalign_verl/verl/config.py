@@ -10,17 +10,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError, UnknownProfileError
+from ..errors import AlignmentError, ProfileMismatchError, UnknownProfileError
 from ..options import option_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
 from .checks import (
+    EP_KEY,
     check_alignment_keys,
     check_alignment_node,
-    json_setting,
+    check_expert_parallel,
+    check_kernels,
     local_config_json,
     read_config_json,
 )
+from .compilation import REGION_OPS, compile_disabled, custom_ops_of, kernels_on, plain
 from .log import logger
 
 REGIONS_KEY = "rlalign_regions"
@@ -38,10 +41,6 @@ KERNELS_KEY = "rlalign_kernels"
 OVERRIDE_PATH = "actor_rollout_ref.model.override_config"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
-# The CustomOp names whose CUDA/C++ kernels replace the three regions' native forwards in vLLM.
-_REGION_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
-
-
 def _select(config: Any, key: str, default: Any = None) -> Any:
     """``OmegaConf.select`` that also accepts plain dicts and treats ``???`` as missing."""
     try:
@@ -57,54 +56,6 @@ def _select(config: Any, key: str, default: Any = None) -> Any:
             return default
         node = node[part]
     return default if node == "???" else node
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers to plain Python ones."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, DictConfig | ListConfig):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return value
-
-
-_CC_NAME = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
-
-
-def _custom_ops(compilation_config: Any) -> list[str]:
-    ops = json_setting(_plain(compilation_config), name=_CC_NAME).get("custom_ops") or []
-    if isinstance(ops, str) or not isinstance(ops, list | tuple):
-        raise ConfigFormatError(f"{_CC_NAME}.custom_ops={ops!r} is not a list; give e.g. [\"+rms_norm\"]")
-    return [str(op).strip() for op in ops]
-
-
-def _compile_disabled(compilation_config: Any) -> bool:
-    """vLLM compilation mode/level 0 (NONE): no Inductor, every CustomOp runs its kernel."""
-    cc = json_setting(_plain(compilation_config), name=_CC_NAME)
-    mode = cc.get("mode", cc.get("level"))
-    return mode is not None and str(mode).strip().upper() in ("0", "NONE", "NO_COMPILATION")
-
-
-def _kernels_on(custom_ops: list[str]) -> bool | None:
-    """Whether the region ops run their custom kernels: True (all), False (none), None (some)."""
-    enabled = set()
-    if "all" in custom_ops:
-        enabled = set(_REGION_OPS)
-    for op in custom_ops:
-        name = op.lstrip("+-")
-        if name in _REGION_OPS:
-            if op.startswith("+"):
-                enabled.add(name)
-            elif op.startswith("-"):
-                enabled.discard(name)
-    if not enabled:
-        return False
-    if enabled == set(_REGION_OPS):
-        return True
-    return None
 
 
 def cuda_available() -> bool:
@@ -139,17 +90,17 @@ def choose_profile(
     suffix = "" if on_cuda else "-cpu"
     if enforce_eager:
         return f"vllm{suffix}-eager", f"rollout.name=vllm, rollout.enforce_eager=True, device {device}"
-    if _compile_disabled(compilation_config):
+    if compile_disabled(compilation_config):
         return (
             f"vllm{suffix}-eager",
             f"rollout.name=vllm, compilation mode 0 in engine_kwargs.vllm.compilation_config (custom ops run "
             f"their kernels), device {device}",
         )
-    ops = _custom_ops(compilation_config)
-    kernels = _kernels_on(ops)
+    ops = custom_ops_of(compilation_config)
+    kernels = kernels_on(ops)
     if kernels is None:
         raise ProfileMismatchError(
-            f"engine_kwargs.vllm.compilation_config.custom_ops={ops} turns on only some of {list(_REGION_OPS)}: "
+            f"engine_kwargs.vllm.compilation_config.custom_ops={ops} turns on only some of {list(REGION_OPS)}: "
             f"no single profile matches that mix; set alignment.engine explicitly (e.g. vllm or vllm-eager)"
         )
     if kernels:
@@ -177,7 +128,7 @@ def resolve_alignment_config(
         check_alignment_keys(alignment)
     if alignment is None:
         return (), None, "no alignment config (add +alignment=default): alignment off"
-    regions = normalize_regions(_plain(_select(config, "alignment.regions")))
+    regions = normalize_regions(plain(_select(config, "alignment.regions")))
     if not regions:
         would = would_use_profile(config, on_cuda=on_cuda)
         return (), None, f"alignment.regions is empty: alignment off (profile would be {would})"
@@ -330,28 +281,10 @@ def _write_placement(config: Any, node: Any, regions: tuple[str, ...]) -> None:
 
 def _kernels(config: Any) -> str:
     """``alignment.kernels`` checked on the driver (``torch`` default; ``triton`` opt-in)."""
-    from ..kernels import KERNELS
-
-    value = str(_select(config, "alignment.kernels", "torch") or "torch").strip().lower()
-    if value not in KERNELS:
-        raise AlignmentError(f"alignment.kernels={value!r}: use torch (default) or triton")
-    if value == "triton" and option_bool(_select(config, "alignment.compile"), name="alignment.compile", default=False):
-        raise AlignmentError("alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one")
-    return value
+    return check_kernels(_select(config, "alignment.kernels", "torch"), _select(config, "alignment.compile"))
 
 
 _validated: dict[int, tuple[Any, tuple[tuple[str, ...], str | None]]] = {}
-
-
-def _check_expert_parallel(config: Any) -> None:
-    """MoE: the rollout must run every expert of a token on one rank (its combine is what we mirror)."""
-    key = "actor_rollout_ref.rollout.expert_parallel_size"
-    size = _select(config, key, 1)
-    if size not in (None, 1):
-        raise AlignmentError(
-            f"{key}={size}: MoE alignment mirrors experts combined on one rank only (expert parallel sums the "
-            f"ranks' partial outputs in bf16); set {key}=1 or alignment.regions=[]"
-        )
 
 
 def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | None) -> None:
@@ -405,7 +338,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
             from ..families import get_family
 
             if get_family(model_type).experts is not None:
-                _check_expert_parallel(config)
+                check_expert_parallel(_select(config, EP_KEY, 1))
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"
