@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from rlalign_verl import patch as patch_mod
+from rlalign_verl import forwards as forwards_mod  # the aligned forwards look apply_rope up here
 from rlalign_verl.patch import apply_alignment
 from rlalign_verl.profiles import INDISTINGUISHABLE_ON_CPU, PROFILES, Mean, Residual, Source
 
@@ -97,14 +97,14 @@ def capture(model, profile, monkeypatch) -> dict:
             mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: rec.__setitem__(("act", i), a[0])),
         ]
     hooks += [model.model.embed_tokens.register_forward_hook(keep("emb")), model.model.norm.register_forward_hook(keep("y"))]
-    real = patch_mod.apply_rope
+    real = forwards_mod.apply_rope
 
     def spy(q, k, cos, sin, rounding, **kw):
         out = real(q, k, cos, sin, rounding, **kw)
         rec["rope"].append((q, out[0]))
         return out
 
-    monkeypatch.setattr(patch_mod, "apply_rope", spy)
+    monkeypatch.setattr(forwards_mod, "apply_rope", spy)
     try:
         apply_alignment(model, regions="all", engine=profile)
         with torch.no_grad():
@@ -112,7 +112,7 @@ def capture(model, profile, monkeypatch) -> dict:
     finally:
         for h in hooks:
             h.remove()
-        monkeypatch.setattr(patch_mod, "apply_rope", real)
+        monkeypatch.setattr(forwards_mod, "apply_rope", real)
     return rec
 
 
