@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.moe_routes import flip_fraction, trainer_routes
+from rlalign_verl.diagnose.moe_routes import FLIP_KEY, flip_fraction, flip_intervals, trainer_routes
+from rlalign_verl.diagnose.recommend import flip_change, recommend
+from rlalign_verl.diagnose.render import _flip_line
 from rlalign_verl.families import get_family
 
 
@@ -18,6 +20,69 @@ def test_flip_fraction_ignores_order_and_counts_tokens() -> None:
     ours = torch.tensor([[[0, 1], [2, 3], [4, 5], [6, 7]]])
     engine = torch.tensor([[[1, 0], [2, 4], [4, 5], [7, 6]]])
     assert flip_fraction(ours, engine).tolist() == [0.25]
+
+
+def _reference_interval(flipped_tokens, tokens, groups, seed, n_boot=2000):
+    """Independent: plain-Python pooling per prompt, the bootstrap draws replayed, quantiles by hand."""
+    n = max(groups) + 1
+    f, c = [0.0] * n, [0.0] * n
+    for ft, t, g in zip(flipped_tokens, tokens, groups, strict=True):
+        f[g] += ft
+        c[g] += t
+    draws = torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed)).tolist()
+    means = sorted(sum(f[i] for i in d) / sum(c[i] for i in d) for d in draws)
+
+    def q(p):  # linear interpolation between order statistics (numpy's default)
+        x = p * (n_boot - 1)
+        lo = int(x)
+        return means[lo] + (x - lo) * (means[min(lo + 1, n_boot - 1)] - means[lo])
+
+    return q(0.025), q(0.975)
+
+
+def test_flip_intervals_pool_prompts_and_match_an_independent_bootstrap() -> None:
+    g = torch.Generator().manual_seed(5)
+    R, L = 24, 3
+    tokens = torch.randint(10, 40, (R,), generator=g).float()
+    flipped = torch.stack([torch.randint(0, int(t) + 1, (L,), generator=g) for t in tokens]).double()
+    flips = flipped / tokens.double()[:, None]  # [R, L] fractions, as flip_fraction returns them
+    groups = [i // 2 for i in range(R)]  # two samples per prompt
+    mean_ci, layer_ci = flip_intervals(flips, tokens, groups, seed=7)
+    ref = _reference_interval(flipped.sum(1).tolist(), (L * tokens).tolist(), groups, 7)
+    assert mean_ci == pytest.approx(ref, rel=1e-9)
+    for layer in range(L):
+        ref_l = _reference_interval(flipped[:, layer].tolist(), tokens.tolist(), groups, 7)
+        assert layer_ci[layer] == pytest.approx(ref_l, rel=1e-9)
+    point = float(flipped.sum() / (L * tokens.sum()))
+    assert mean_ci[0] < point < mean_ci[1]
+    # pooling matters: resampling rollouts instead of prompts gives a different interval
+    assert flip_intervals(flips, tokens, list(range(R)), seed=7)[0] != pytest.approx(mean_ci, rel=1e-6)
+
+
+def _row(mean, flip, lo, hi, regions=()):
+    return {
+        "mismatch/logp_abs_diff_mean": mean,
+        FLIP_KEY: flip,
+        "regions": list(regions),
+        "ci95": {"mismatch/logp_abs_diff_mean": [mean - 1e-3, mean + 1e-3], FLIP_KEY: [lo, hi]},
+    }
+
+
+def test_a_flip_difference_inside_the_intervals_is_never_called_a_drop() -> None:
+    res = {
+        "none": _row(0.20, 0.030, 0.024, 0.036),
+        "rope": _row(0.19, 0.027, 0.021, 0.033, ("rope",)),  # lower mean, overlapping interval
+        "all": _row(0.05, 0.010, 0.007, 0.013, ("rope", "swiglu", "rmsnorm")),
+    }
+    assert flip_change(res["none"], res["rope"]) == "within noise"
+    assert flip_change(res["none"], res["all"]) == "drop"
+    assert flip_change(res["all"], res["none"]) == "rise"
+    assert _flip_line(res) == "route flips vs none (95% intervals): rope within noise, all drop"
+    rec = recommend(res, None)
+    assert rec["setting"] == "all" and rec["route_flips"] == "drop" and "3.00% -> 1.00% (a drop" in rec["text"]
+    res["all"]["ci95"][FLIP_KEY] = [0.005, 0.025]  # now overlaps none's interval
+    rec = recommend(res, None)
+    assert rec["route_flips"] == "within noise" and "within noise, not a drop" in rec["text"]
 
 
 @pytest.mark.engine
@@ -70,3 +135,5 @@ def test_diagnose_tiny_qwen3_moe_eager_reaches_the_floor(tmp_path, capsys) -> No
     assert s["all+moe"]["mismatch/logp_abs_diff_mean"] <= 1.1 * floor
     assert s["all+moe"]["moe/route_flip_frac"] < s["none"]["moe/route_flip_frac"]
     assert len(s["none"]["moe/route_flip_frac_per_layer"]) == 4
+    lo, hi = s["none"]["ci95"][FLIP_KEY]
+    assert lo <= s["none"][FLIP_KEY] <= hi and len(s["none"][FLIP_KEY + "_per_layer_ci95"]) == 4

@@ -157,7 +157,9 @@ def _settings(hf: Any, s: pipeline.Sample, opts: DiagnoseOptions, settings: list
             settings = settings + [x for x in parse_settings("moe,all+moe") if x not in settings]
         t = time.time()
         with stage("record the engine's expert choices (one prefill per rollout)"):
-            flips = RouteFlips.maybe(s.config, s.model_dir, s.rollouts, s.profile, engine_distribution())
+            flips = RouteFlips.maybe(
+                s.config, s.model_dir, s.rollouts, s.profile, engine_distribution(), seed=opts.seed
+            )
         timing["engine_routes_s"] = time.time() - t
     t = time.time()
     done = pipeline.recompute_settings(hf, s, settings, opts.seed, flips=flips)

@@ -148,16 +148,44 @@ def flip_fraction(ours: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
     return (a != b).any(dim=-1).float().mean(dim=-1)
 
 
+FLIP_KEY = "moe/route_flip_frac"
+
+
+def flip_intervals(
+    flips: torch.Tensor, tokens: torch.Tensor, groups: list[int], seed: int = 0
+) -> tuple[list[float], list[list[float]]]:
+    """95% bootstrap intervals of the flip fraction: the layer mean and each layer.
+
+    ``flips`` ``[R, L]`` per rollout and layer, ``tokens`` ``[R]``; resampled over prompts exactly as
+    the log-prob gap (:func:`.stats.bootstrap_ci`, same groups, same seed, so the same draws).
+    """
+    from .stats import bootstrap_ci
+
+    n = max(groups) + 1
+    g = torch.tensor(groups)
+    flipped = torch.zeros(n, flips.shape[1], dtype=torch.float64).index_add_(
+        0, g, flips.double() * tokens.double()[:, None]
+    )
+    counts = torch.zeros(n, dtype=torch.float64).index_add_(0, g, tokens.double())
+    mean = bootstrap_ci(flipped.sum(1), counts * flips.shape[1], seed=seed)
+    per_layer = [bootstrap_ci(flipped[:, layer], counts, seed=seed) for layer in range(flips.shape[1])]
+    return mean, per_layer
+
+
 class RouteFlips:
     """The routing-flip column of ``diagnose`` for an MoE model: engine routes once, trainer routes per setting."""
 
-    def __init__(self, router_cls: type, engine: list[torch.Tensor], num_layers: int) -> None:
+    def __init__(
+        self, router_cls: type, engine: list[torch.Tensor], num_layers: int, groups: list[int], seed: int = 0
+    ) -> None:
         self.router_cls, self.engine, self.num_layers = router_cls, engine, num_layers
+        self.groups, self.seed = groups, seed
 
     @classmethod
-    def maybe(cls, config, model_dir, rollouts: list, profile, dist) -> RouteFlips | None:
+    def maybe(cls, config, model_dir, rollouts: list, profile, dist, seed: int = 0) -> RouteFlips | None:
         """``None`` for dense models or where the engine cannot be run here (vllm-cpu profiles only)."""
         from ..families import get_family
+        from .stats import prompt_groups
 
         family = get_family(config.model_type)
         if family.experts is None or dist is None or profile.engine != "vllm" or profile.device != "cpu":
@@ -165,25 +193,34 @@ class RouteFlips:
         seqs = [r.prompt_ids + r.response_ids for r in rollouts]
         layers = config.num_hidden_layers
         eng = engine_routes(model_dir, seqs, enforce_eager=profile.name.endswith("-eager"), num_layers=layers)
-        return cls(family.cls("router"), eng, layers)
+        return cls(family.cls("router"), eng, layers, prompt_groups(rollouts), seed)
 
     @contextmanager
     def recording(self, model: torch.nn.Module, result: dict) -> Iterator[None]:
-        """Record the trainer's routes during one recompute pass; write the flip fractions into ``result``."""
+        """Record the trainer's routes during one recompute pass; write the flip fractions into ``result``.
+
+        ``result["ci95"]`` gets the flip fraction's interval under :data:`FLIP_KEY` (merge it into the
+        row's other intervals); ``<FLIP_KEY>_per_layer_ci95`` holds one interval per layer.
+        """
         with trainer_routes(model, self.router_cls) as seen:
             yield
         L = self.num_layers
         flips = torch.stack(
             [
-                flip_fraction(torch.stack([t.reshape(-1, t.shape[-1]) for t in seen[i * L : (i + 1) * L]]), eng)
+                flip_fraction(
+                    torch.stack([t.reshape(-1, t.shape[-1]) for t in seen[i * L : (i + 1) * L]]), eng
+                )
                 for i, eng in enumerate(self.engine)
             ]
         )
         # token-weighted over the rollouts, per layer
         tokens = torch.tensor([e.shape[1] for e in self.engine], dtype=torch.float32)
         per_layer = (flips * tokens[:, None]).sum(0) / tokens.sum()
-        result["moe/route_flip_frac"] = float(per_layer.mean())
-        result["moe/route_flip_frac_per_layer"] = [round(float(v), 5) for v in per_layer]
+        mean_ci, layer_ci = flip_intervals(flips, tokens, self.groups, self.seed)
+        result[FLIP_KEY] = float(per_layer.mean())
+        result[FLIP_KEY + "_per_layer"] = [round(float(v), 5) for v in per_layer]
+        result[FLIP_KEY + "_per_layer_ci95"] = [[round(lo, 5), round(hi, 5)] for lo, hi in layer_ci]
+        result["ci95"] = {FLIP_KEY: mean_ci}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,6 +163,7 @@ def recompute_settings(
         finally:
             remove_alignment(hf)
         metrics, per_token = measure(lps, s, seed)
+        metrics["ci95"].update(route_info.pop("ci95", {}))  # the flip fraction's interval joins the row's
         metrics.update(route_info, regions=list(regions))
         out[label] = (metrics, per_token)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .moe_routes import FLIP_KEY
 from .stats import interval, separated
 
 KEY = "mismatch/logp_abs_diff_mean"
@@ -24,6 +25,24 @@ def floor_relation(row: dict[str, Any], floor: dict[str, Any] | None) -> str | N
     if not separated(row, floor) or row[KEY] <= floor[KEY]:
         return "at floor (within noise)"
     return "above floor"
+
+
+def flip_change(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """``"drop"``/``"rise"`` when the route-flip intervals are separated, else ``"within noise"``."""
+    if FLIP_KEY not in before or FLIP_KEY not in after:
+        return None
+    if not separated(before, after, FLIP_KEY):
+        return "within noise"
+    return "drop" if after[FLIP_KEY] < before[FLIP_KEY] else "rise"
+
+
+def _flip_note(results: dict[str, Any], label: str) -> str:
+    change = flip_change(results["none"], results[label]) if label != "none" else None
+    if change is None:
+        return ""
+    a, b = 100 * results["none"][FLIP_KEY], 100 * results[label][FLIP_KEY]
+    what = "a drop" if change == "drop" else ("a rise" if change == "rise" else "within noise, not a drop")
+    return f"; route flips {a:.2f}% -> {b:.2f}% ({what}: 95% intervals)"
 
 
 def _first_sufficient(results: dict[str, Any], base: float, reduction: float) -> tuple[str, float]:
@@ -90,7 +109,9 @@ def recommend(results: dict[str, Any], floor: dict[str, Any] | None) -> dict[str
         text=(
             f"align {label} (alignment.regions={regions}): {100 * got:.0f}% of the all-regions reduction "
             f"(mean |dlogp| {base:.4g} -> {results[label][KEY]:.4g}){', ' + rel if rel else ''}{note}"
+            f"{_flip_note(results, label)}"
         ),
+        route_flips=flip_change(results["none"], results[label]),
     )
     return out
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from .files import atomic_target
-from .recommend import floor_relation
+from .moe_routes import FLIP_KEY
+from .recommend import flip_change, floor_relation
 from .stats import CI_KEYS
 
 KEY_METRICS = (
@@ -29,6 +30,20 @@ def _ci(r: dict[str, Any], key: str) -> str:
     return f"[{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
 
 
+def _flip_cell(r: dict[str, Any]) -> str:
+    if FLIP_KEY not in r:
+        return f"{'':>24}"
+    ci = (r.get("ci95") or {}).get(FLIP_KEY)
+    band = f" [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}]" if ci else ""
+    return f"{f'{100 * r[FLIP_KEY]:.2f}%{band}':>24}"
+
+
+def _flip_line(settings: dict[str, Any]) -> str:
+    """Each setting's route-flip change against none; a change inside the 95% intervals is noise."""
+    changes = {lab: flip_change(settings["none"], r) for lab, r in settings.items() if lab != "none"}
+    return "route flips vs none (95% intervals): " + ", ".join(f"{k} {v}" for k, v in changes.items() if v)
+
+
 def _header(result: dict[str, Any]) -> list[str]:
     e, m, s = result["engine"], result["model"], result["sampling"]
     first = result["settings"][next(iter(result["settings"]))]
@@ -48,8 +63,8 @@ def _table(result: dict[str, Any]) -> list[str]:
     base = result["settings"].get("none", {}).get(CI_KEYS[0])
     head = f"{'setting':<22}" + "".join(f"{n:>11}" for n, _ in KEY_METRICS)
     head += f"{'mean 95% CI':>22}{'vs none':>9}{'/floor':>8}"
-    has_flips = any("moe/route_flip_frac" in r for r in result["settings"].values())
-    head += f"{'route flip':>12}" if has_flips else ""
+    has_flips = any(FLIP_KEY in r for r in result["settings"].values())
+    head += f"{'route flip [95% CI]':>24}" if has_flips else ""
     head += "  vs floor"
     lines = [head, "-" * len(head)]
     rows = list(result["settings"].items()) + ([(FLOOR_LABEL, floor)] if floor else [])
@@ -60,9 +75,10 @@ def _table(result: dict[str, Any]) -> list[str]:
         rel = f"{mean / fmean:>8.2f}" if fmean else f"{'':>8}"
         where = "" if label == FLOOR_LABEL else (floor_relation(r, floor) or "")
         name = label + (" *" if r.get("extra") else "")
-        flip = r.get("moe/route_flip_frac")
-        flip_cell = (f"{100 * flip:>11.2f}%" if flip is not None else f"{'':>12}") if has_flips else ""
+        flip_cell = _flip_cell(r) if has_flips else ""
         lines.append(f"{name:<22}{cells}{_ci(r, CI_KEYS[0]):>22}{vs}{rel}{flip_cell}  {where}".rstrip())
+    if has_flips and "none" in result["settings"]:
+        lines.append(_flip_line(result["settings"]))
     if any(r.get("extra") for _, r in rows):
         lines.append("  * evaluated only for the recommendation")
     lines.append(FLOOR_NOTE if floor else (result.get("floor_note") or ""))
