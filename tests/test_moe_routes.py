@@ -79,7 +79,9 @@ def test_a_flip_difference_inside_the_intervals_is_never_called_a_drop() -> None
     assert flip_change(res["all"], res["none"]) == "rise"
     assert _flip_line(res) == "route flips vs none (95% intervals): rope within noise, all drop"
     rec = recommend(res, None)
-    assert rec["setting"] == "all" and rec["route_flips"] == "drop" and "3.00% -> 1.00% (a drop" in rec["text"]
+    assert (
+        rec["setting"] == "all" and rec["route_flips"] == "drop" and "3.00% -> 1.00% (a drop" in rec["text"]
+    )
     res["all"]["ci95"][FLIP_KEY] = [0.005, 0.025]  # now overlaps none's interval
     rec = recommend(res, None)
     assert rec["route_flips"] == "within noise" and "within noise, not a drop" in rec["text"]
