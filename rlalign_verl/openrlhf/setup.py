@@ -30,13 +30,13 @@ from typing import Any
 
 from ..errors import LigerConflictError
 from ..verl.import_hooks import when_imported
+from ..wrap_once import wrap_once
 from .log import logger, warn_once
 from .settings import Settings, get_arg
 
 HOOK = "rlalign_verl.openrlhf.setup.install"
 """The ``worker_process_setup_hook`` string the launcher hands to Ray."""
 
-_WRAPPED = "_rlalign_wrapped"
 _active: Settings | None = None
 
 # Modules that build vLLM SamplingParams for rollouts (0.11.x first; older releases built them in the
@@ -69,12 +69,15 @@ def install(settings: Settings | None = None) -> Settings | None:
         when_imported("openrlhf.models.actor", _patch_actor)
     if settings.metrics:
         when_imported(
-            "openrlhf.trainer.ppo_utils.experience_maker", _guarded("the mismatch metrics", _patch_experience_maker)
+            "openrlhf.trainer.ppo_utils.experience_maker",
+            _guarded("the mismatch metrics", _patch_experience_maker),
         )
     if settings.collect_rollout_logprobs:
         for name in _SAMPLING_MODULES:
             when_imported(name, _guarded("collecting rollout log-probs", _patch_sampling_module))
-        when_imported("openrlhf.trainer.ray.vllm_engine", _guarded("collecting rollout log-probs", _patch_engine_module))
+        when_imported(
+            "openrlhf.trainer.ray.vllm_engine", _guarded("collecting rollout log-probs", _patch_engine_module)
+        )
     return settings
 
 
@@ -126,13 +129,13 @@ def align_actor(actor: Any, settings: Settings) -> Any:
 
 
 def _patch_actor(module: ModuleType) -> None:
-    Actor = module.Actor
-    original = Actor.__init__
-    if getattr(original, _WRAPPED, False):
-        return
+    wrap_once(module.Actor, "__init__", _aligning_init)
+
+
+def _aligning_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``Actor.__init__`` that aligns the model it built (refusing Liger) while regions are set."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         settings = _active
         if settings is None or not settings.regions:
@@ -151,8 +154,7 @@ def _patch_actor(module: ModuleType) -> None:
         original(self, *args, **kwargs)
         align_actor(self, settings)
 
-    setattr(__init__, _WRAPPED, True)
-    Actor.__init__ = __init__
+    return __init__
 
 
 # --- mismatch metrics ------------------------------------------------------------------------------
@@ -188,20 +190,19 @@ def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
 
 
 def _patch_experience_maker(module: ModuleType) -> None:
-    RemoteExperienceMaker = module.RemoteExperienceMaker
-    original = RemoteExperienceMaker.make_experience_batch
-    if getattr(original, _WRAPPED, False):
-        return
+    wrap_once(module.RemoteExperienceMaker, "make_experience_batch", _with_step_metrics)
 
-    @functools.wraps(original)
+
+def _with_step_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``make_experience_batch`` that attaches the ``mismatch/*`` metrics while metrics are on."""
+
     def make_experience_batch(self, *args: Any, **kwargs: Any):
         experiences = original(self, *args, **kwargs)
         if _active is not None and _active.metrics:
             add_step_metrics(experiences, getattr(self, "args", None) or self.strategy.args)
         return experiences
 
-    setattr(make_experience_batch, _WRAPPED, True)
-    RemoteExperienceMaker.make_experience_batch = make_experience_batch
+    return make_experience_batch
 
 
 # --- measure-only: rollout log-probs without IS correction ---------------------------------------
@@ -220,7 +221,6 @@ def sampling_params_with_logprobs(factory: Callable[..., Any]) -> Callable[..., 
             kwargs["logprobs"] = 1
         return factory(*args, **kwargs)
 
-    setattr(build, _WRAPPED, True)
     return build
 
 
@@ -238,24 +238,19 @@ def engines_with_logprobs_mode(create: Callable[..., Any]) -> Callable[..., Any]
             return create(*bound.args, **bound.kwargs)
         return create(*args, **kwargs)
 
-    setattr(wrapped, _WRAPPED, True)
     return wrapped
 
 
 def _patch_sampling_module(module: ModuleType) -> None:
-    factory = getattr(module, "SamplingParams", None)
-    if factory is not None and not getattr(factory, _WRAPPED, False):
-        module.SamplingParams = sampling_params_with_logprobs(factory)
+    wrap_once(module, "SamplingParams", sampling_params_with_logprobs)
 
 
 def _patch_engine_module(module: ModuleType) -> None:
     create = module.create_vllm_engines
-    if getattr(create, _WRAPPED, False):
+    if not wrap_once(module, "create_vllm_engines", engines_with_logprobs_mode):
         return
-    wrapped = engines_with_logprobs_mode(create)
-    module.create_vllm_engines = wrapped
     # openrlhf.trainer.ray re-exports it (``from .vllm_engine import create_vllm_engines``), and
     # train_ppo_ray imports it from there; if the package finished importing already, rebind it too.
     package = sys.modules.get("openrlhf.trainer.ray")
     if package is not None and getattr(package, "create_vllm_engines", None) is create:
-        package.create_vllm_engines = wrapped
+        package.create_vllm_engines = module.create_vllm_engines
