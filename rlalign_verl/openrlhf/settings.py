@@ -5,7 +5,9 @@ Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
 ``--alignment.regions``  comma list of rope, swiglu, rmsnorm (or all / none). Default: none.
 ``--alignment.engine``   auto | vllm | a profile name (vllm, vllm-eager, vllm-cpu, vllm-cpu-eager, sglang, hf).
                          auto and vllm pick vllm or vllm-eager from OpenRLHF's ``--vllm.enforce_eager``
-                         (older flat name ``--enforce_eager``); any other name is used as given.
+                         (older flat name ``--enforce_eager``); any other name is used as given. Every
+                         aligning worker checks the profile against its device (auto: moved to that
+                         device's build, e.g. ``vllm-cpu`` on a CPU-only worker; explicit: an error).
 ``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
 ``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the
                          rollout log-probs without turning on OpenRLHF's IS correction (the loss is
@@ -31,7 +33,8 @@ ENV_REGIONS = "RLALIGN_REGIONS"
 ENV_ENGINE = "RLALIGN_ENGINE"
 ENV_METRICS = "RLALIGN_METRICS"
 ENV_COLLECT = "RLALIGN_COLLECT_ROLLOUT_LOGPROBS"
-ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT)
+ENV_AUTO = "RLALIGN_ENGINE_AUTO"
+ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO)
 
 FLAG_PREFIX = "--alignment."
 FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs")
@@ -43,6 +46,7 @@ IS_CORRECTION_LEVEL_FLAGS = spellings("is_correction_level")
 IS_CORRECTION_SWITCH_FLAGS = spellings("is_correction_enable")
 VLLM_ENGINES_FLAGS = spellings("vllm_num_engines")
 
+
 @dataclass(frozen=True)
 class Settings:
     """What the plugin does in every process of one OpenRLHF run."""
@@ -51,6 +55,8 @@ class Settings:
     profile: str = "vllm"
     metrics: bool = True
     collect_rollout_logprobs: bool = False
+    auto: bool = False
+    """``--alignment.engine auto``: each worker moves ``profile`` to its device's build (rlalign_verl.placement)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", normalize_regions(self.regions))
@@ -63,6 +69,7 @@ class Settings:
             ENV_ENGINE: self.profile,
             ENV_METRICS: "1" if self.metrics else "0",
             ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
+            ENV_AUTO: "1" if self.auto else "0",
         }
 
     @classmethod
@@ -76,11 +83,13 @@ class Settings:
             profile=env.get(ENV_ENGINE, "vllm") or "vllm",
             metrics=parse_bool(env.get(ENV_METRICS, "1"), name=ENV_METRICS),
             collect_rollout_logprobs=parse_bool(env.get(ENV_COLLECT, "0"), name=ENV_COLLECT),
+            auto=parse_bool(env.get(ENV_AUTO, "0"), name=ENV_AUTO),
         )
 
     def describe(self) -> str:
+        auto = " (auto)" if self.auto else ""
         return (
-            f"regions={list(self.regions)} profile={self.profile} metrics={self.metrics} "
+            f"regions={list(self.regions)} profile={self.profile}{auto} metrics={self.metrics} "
             f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
         )
 
@@ -221,6 +230,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
         profile=profile,
         metrics=parse_bool(ns.metrics, name="--alignment.metrics"),
         collect_rollout_logprobs=parse_bool(ns.collect, name="--alignment.collect_rollout_logprobs"),
+        auto=str(ns.engine).strip().lower() == "auto",
     )
     return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
 

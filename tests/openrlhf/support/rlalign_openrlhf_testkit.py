@@ -35,7 +35,7 @@ def plugin_state() -> dict[str, Any]:
     s = active_settings()
     return {
         "pid": os.getpid(),
-        "settings": None if s is None else (s.regions, s.profile, s.metrics, s.collect_rollout_logprobs),
+        "settings": None if s is None else (s.regions, s.profile, s.metrics, s.collect_rollout_logprobs, s.auto),
         "actor_wrapped": bool(getattr(Actor.__init__, "_rlalign_wrapped", False)),
         "experience_maker_wrapped": bool(
             getattr(RemoteExperienceMaker.make_experience_batch, "_rlalign_wrapped", False)
