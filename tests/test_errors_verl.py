@@ -7,9 +7,6 @@ both entry points as a user runs them: one ``[rlalign-verl] ERROR`` line, exit c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ pytest.importorskip("hydra")
 
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf, open_dict  # noqa: E402
+from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, run_driver  # noqa: E402
 
 from rlalign_verl.errors import (  # noqa: E402
     ConfigFormatError,
@@ -154,37 +152,6 @@ def test_boolean_spellings_are_parsed_strictly(spelling, model_dir):
 
 # --- entry points as a user runs them --------------------------------------------------------------
 
-_DRIVER = """
-import runpy, sys
-import verl.trainer.constants_ppo as constants
-
-def stop_before_ray(config):
-    print("REACHED_RUN_PPO", flush=True)
-    raise SystemExit(0)
-
-constants.get_ppo_ray_runtime_env = stop_before_ray
-for argv in {runs!r}:
-    sys.argv = [argv[0] + ".py", *argv[1:]]
-    print("=== case", flush=True)
-    print("=== case", file=sys.stderr, flush=True)
-    try:
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        print("EXIT", exc.code, flush=True)
-"""
-
-MINIMAL = [
-    "algorithm.adv_estimator=grpo",
-    "data.train_batch_size=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.n=2",
-    "trainer.n_gpus_per_node=1",
-    "actor_rollout_ref.rollout.name=vllm",
-]
-
 # id -> (argv, fragment of the one error line)
 ENTRY = {
     "verl entry, +alignment=all without search path": (
@@ -200,15 +167,12 @@ ENTRY = {
 
 
 def test_entry_points_print_one_line_and_exit_2(model_dir):
-    runs = [[*argv, *MINIMAL, f"actor_rollout_ref.model.path={model_dir}"] for argv, _ in ENTRY.values()]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
-    env.pop("HYDRA_FULL_ERROR", None)
-    out = subprocess.run(
-        [sys.executable, "-c", _DRIVER.format(runs=runs)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    stdouts = out.stdout.split("=== case\n")[1:]
-    stderrs = out.stderr.split("=== case\n")[1:]
+    runs = [
+        [*argv, *GRPO_MINIMAL, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={model_dir}"]
+        for argv, _ in ENTRY.values()
+    ]
+    out = run_driver(ENTRY_DRIVER, runs, HYDRA_FULL_ERROR=None)
+    stdouts, stderrs = cases(out.stdout), cases(out.stderr)
     assert len(stdouts) == len(stderrs) == len(ENTRY), out.stdout[-2000:] + out.stderr[-2000:]
     for (case, (_, fragment)), so, se in zip(ENTRY.items(), stdouts, stderrs, strict=True):
         assert "REACHED_RUN_PPO" not in so, case

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +11,7 @@ pytest.importorskip("hydra")
 
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, run_driver  # noqa: E402
 
 from rlalign_verl.errors import (  # noqa: E402
     AlignmentError,
@@ -112,22 +110,11 @@ for i, argv in enumerate({runs!r}):
 
 
 def _cfg_job_runs(runs: list[list[str]]) -> list[dict]:
-    """``python -m <module> <args> --cfg job --resolve`` for each run, all in one fresh subprocess.
-
-    ``runpy.run_module(..., run_name="__main__")`` is what ``python -m`` does; running the cases in
-    one interpreter pays verl's import (torch, tensordict) once instead of once per case.
-    """
+    """``python -m <module> <args> --cfg job --resolve`` for each run, all in one fresh subprocess
+    (``runpy.run_module(..., run_name="__main__")`` is what ``python -m`` does)."""
     import yaml
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
-    out = subprocess.run(
-        [sys.executable, "-c", _CFG_JOB_DRIVER.format(runs=runs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_driver(_CFG_JOB_DRIVER, runs)
     chunks = out.stdout.split("=== run ")[1:]
     assert len(chunks) == len(runs), out.stdout[-2000:]
     return [yaml.safe_load(chunk.split("\n", 1)[1]) for chunk in chunks]
@@ -386,41 +373,6 @@ def test_verl_validate_config_runs_ours(qwen2_path):
         verl_config.validate_config(cfg, use_reference_policy=False, use_critic=False)
 
 
-# the smallest set of overrides that passes verl's own validate_config (GRPO: no critic)
-GRPO_MINIMAL = [
-    "algorithm.adv_estimator=grpo",
-    "data.train_batch_size=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.n=2",
-    "trainer.n_gpus_per_node=1",
-]
-
-_ENTRY_DRIVER = """
-import json, runpy, sys
-import verl.trainer.constants_ppo as constants
-
-def stop_before_ray(config):  # run_ppo calls this first, before ray.init
-    from omegaconf import OmegaConf
-    node = OmegaConf.to_container(config.actor_rollout_ref.model.override_config, resolve=True)
-    print("REACHED_RUN_PPO " + json.dumps(node), flush=True)
-    raise SystemExit(0)
-
-constants.get_ppo_ray_runtime_env = stop_before_ray
-for argv in {runs!r}:
-    sys.argv = [argv[0] + ".py", *argv[1:]]
-    print("=== " + argv[0], flush=True)
-    try:
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        print("EXIT", exc.code, flush=True)
-    except Exception as exc:
-        print("RAISED", type(exc).__name__, exc, flush=True)
-"""
-
-
 def test_entry_points_validate_on_driver_before_ray(qwen2_path):
     """Both entry points run our validation before run_ppo; a bad setting stops the run there."""
     good = [
@@ -442,16 +394,8 @@ def test_entry_points_validate_on_driver_before_ray(qwen2_path):
         ["rlalign_verl.main_ppo", *bad],
         [*verl_entry, *bad],
     ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu", HYDRA_FULL_ERROR="1")
-    out = subprocess.run(
-        [sys.executable, "-c", _ENTRY_DRIVER.format(runs=runs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    sections = out.stdout.split("=== ")[1:]
+    out = run_driver(ENTRY_DRIVER, runs, HYDRA_FULL_ERROR="1")
+    sections = cases(out.stdout)
     assert len(sections) == 4, out.stdout[-3000:]
     profile = "vllm-eager" if _cuda() else "vllm-cpu-eager"
     for section in sections[:2]:
