@@ -107,27 +107,13 @@ def variants_for(profiles: list[str], per_region: list[str]) -> list[Variant]:
 
 
 def build_model(size: Size, param_dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
-    """A Qwen2-style causal LM with random weights (norm weights around 1, as in trained models)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A Qwen2-style causal LM of ``size`` with the tiny checkpoints' seeded weights (norm weights around 1)."""
+    from rlalign_verl.diagnose.tiny import TinySpec, tiny_model
 
-    cfg = Qwen2Config(
-        hidden_size=size.hidden,
-        intermediate_size=size.intermediate,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.kv_heads,
-        vocab_size=size.vocab,
-        max_position_embeddings=max(4096, size.seq),
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=param_dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05) if p.dim() > 1 else p.normal_(1.0, 0.1)
-    return model.to(device)
+    spec = TinySpec("qwen2", size.hidden, size.intermediate, size.layers, size.heads, size.kv_heads,
+                    size.hidden // size.heads, rope_theta=1_000_000.0, max_position_embeddings=max(4096, size.seq),
+                    weight_std=0.05, embed_std=0.05, lm_head_std=0.05)  # fmt: skip
+    return tiny_model(spec, vocab_size=size.vocab, seed=seed, dtype=param_dtype).to(device)
 
 
 def make_inputs(size: Size, layout: str, device: str, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -250,6 +250,17 @@ def _tiny_state_dict(config, spec: TinySpec, seed: int) -> dict:
     return out
 
 
+def tiny_model(spec: TinySpec, *, vocab_size: int = VOCAB_SIZE, seed: int = 0, dtype=None, attn="sdpa"):
+    """The HF model of ``spec`` with this recipe's seeded weights, built in memory (no tokenizer, no files)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _make_config(spec, vocab_size, eos_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.bfloat16, attn_implementation=attn)
+    model.load_state_dict(_tiny_state_dict(config, spec, seed))
+    return model
+
+
 # --- build / cache -----------------------------------------------------------------------------
 
 
