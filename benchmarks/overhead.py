@@ -40,6 +40,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
+from saved_bytes import saved_bytes  # the sibling module (run as `python benchmarks/overhead.py`)
 
 from rlalign_verl.patch import apply_alignment, remove_alignment
 
@@ -368,6 +369,7 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
             outs = out if isinstance(out, tuple) else (out,)
             torch.autograd.backward([o for o in outs], [torch.ones_like(o) for o in outs])
 
+        run.forward, run.inputs = (lambda: fn(*xs)), xs  # type: ignore[attr-defined]  # for saved_bytes
         return run
 
     gate, up = leaf(tokens, inter, scale=3.0), leaf(tokens, inter)
@@ -453,10 +455,12 @@ def run_micro(profiles: list[str], tokens: int, hidden: int, inter: int, repeat:
                         times[n].append((time.thread_time() - t0) * 1e3)
             base = statistics.median(times["hf"])
             peaks = {n: peak_memory(variants[n], "cpu")[0] for n in names}
+            saved = {n: saved_bytes(variants[n].forward, variants[n].inputs) for n in names}
             for n in names:
                 med = statistics.median(times[n])
                 rows.append({"profile": profile, "region": region, "variant": n, "median_cpu_ms": med,
                              "ratio": med / base, "peak_bytes": peaks[n], "peak_ratio": peaks[n] / peaks["hf"],
+                             "saved_bytes": saved[n][0], "saved_new_bytes": saved[n][1],
                              "tokens": tokens, "hidden": hidden, "inter": inter})  # fmt: skip
     return rows
 
@@ -538,10 +542,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         rows = run_micro(profiles, 2048, 1024, 2816, repeat, compiled=not args.no_compile)
         print(f"{'profile':<11} {'region':<12} {'variant':<9} {'cpu ms':>9} {'x hf':>6} {'peak MiB':>9} {'x hf':>6}"
-              "   (fwd+bwd, 2048 tokens, H 1024, I 2816)")  # fmt: skip
+              f" {'saved MiB':>9} {'new MiB':>8}   (fwd+bwd, 2048 tokens, H 1024, I 2816; saved: for backward,"
+              " new: beyond the inputs)")  # fmt: skip
         for r in rows:
             print(f"{r['profile']:<11} {r['region']:<12} {r['variant']:<9} {r['median_cpu_ms']:9.2f} {r['ratio']:6.2f} "
-                  f"{r['peak_bytes'] / 2**20:9.1f} {r['peak_ratio']:6.2f}")  # fmt: skip
+                  f"{r['peak_bytes'] / 2**20:9.1f} {r['peak_ratio']:6.2f} {r['saved_bytes'] / 2**20:9.1f} "
+                  f"{r['saved_new_bytes'] / 2**20:8.1f}")  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"machine": machine_info(args.device), "micro": rows}, f, indent=1)
         return 0

@@ -30,6 +30,8 @@ from ..errors import AlignmentError
 from ..families import get_family
 from . import pipeline
 from .files import check_file_target, prepare_out_dir, write_text
+from .head import sample_head_dtype
+from .ladder import check_settings, run_ladder
 from .options import DEFAULT_SETTINGS, DiagnoseOptions, parse_settings
 from .progress import stage
 from .recommend import extra_settings, recommend
@@ -102,6 +104,14 @@ def add_parser(subparsers: Any) -> None:
         help="torch threads for the HF recomputation (default: 1 for models with hidden size <= 1024, "
         "where more threads only add synchronisation, else torch's default)",
     )
+    p.add_argument(
+        "--engine-head-dtype",
+        metavar="DTYPE",
+        default=None,
+        help="the engine's lm_head dtype: float32 runs vLLM with hf_overrides head_dtype=float32 (the log-probs "
+        "compared are then the fp32-head ones) and aligns the lm_head rung to it; model = bf16 (default)",
+    )
+    p.add_argument("--no-ladder", action="store_true", help="skip the attribution ladder")
     p.add_argument("--no-floor", action="store_true", help="skip the engine-op floor")
     p.add_argument("--no-probe", action="store_true", help="skip the op-level probe")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
@@ -147,7 +157,9 @@ def _sample(opts: DiagnoseOptions, dist: Any, out_dir: Path, timing: dict) -> pi
     return pipeline.sample_with_engine(opts, dist, out_dir, timing)
 
 
-def _settings(hf: Any, s: pipeline.Sample, opts: DiagnoseOptions, settings: list, timing: dict) -> tuple:
+def _settings(
+    hf: Any, s: pipeline.Sample, opts: DiagnoseOptions, settings: list, timing: dict, head: str
+) -> tuple:
     flips = None
     if get_family(s.config.model_type).experts is not None:  # MoE: route flips, the opt-in moe region
         from .moe_routes import RouteFlips
@@ -162,12 +174,12 @@ def _settings(hf: Any, s: pipeline.Sample, opts: DiagnoseOptions, settings: list
             )
         timing["engine_routes_s"] = time.time() - t
     t = time.time()
-    done = pipeline.recompute_settings(hf, s, settings, opts.seed, flips=flips)
+    done = pipeline.recompute_settings(hf, s, settings, opts.seed, flips=flips, head_dtype=head)
     timing["recompute_s"] = time.time() - t
     results = {lab: m for lab, (m, _) in done.items()}
     per_token = {lab: pt for lab, (_, pt) in done.items()}
     extra = pipeline.recompute_settings(
-        hf, s, extra_settings(results, settings), opts.seed, " (for the recommendation)", flips=flips
+        hf, s, extra_settings(results, settings), opts.seed, " (for the recommendation)", flips, head
     )
     for lab, (m, pt) in extra.items():
         results[lab], per_token[lab] = {**m, "extra": True}, pt
@@ -186,18 +198,27 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
         check_file_target(opts.write_rollouts, "--write-rollouts")
     dist = engine_distribution()
     s = _sample(opts, dist, out_dir, timing)
+    check_settings(settings, s.profile)  # the engine runs only vllm-cpu profiles: a dump's profile may refuse
+    head = sample_head_dtype(s.header, s.config, opts.engine_head_dtype, s.source)
     threads = opts.threads or (1 if s.config.hidden_size <= 1024 else torch.get_num_threads())
     torch.set_num_threads(max(1, threads))
     t = time.time()
     hf = pipeline.load_hf(s.model_dir)
     timing["hf_load_s"] = time.time() - t
-    results, per_token = _settings(hf, s, opts, settings, timing)
+    results, per_token = _settings(hf, s, opts, settings, timing, head[0])
+    ladder_result = None
+    if opts.ladder:
+        t = time.time()
+        ladder_result = run_ladder(hf, s, head, opts.seed, per_token)
+        timing["ladder_s"] = time.time() - t
     floor_result, floor_note = pipeline.floor(hf, s, dist, opts.seed, timing) if opts.floor else (None, None)
     if floor_result is not None:
         floor_result, per_token["floor"] = floor_result
     probe_result = pipeline.probe(hf, dist, opts.seed, timing) if opts.probe else None
     timing["total_s"] = time.time() - t_start
     result = _result(opts, s, dist, results, floor_result, floor_note, probe_result)
+    result["engine"]["head_dtype"] = head[0]
+    result["ladder"] = ladder_result
     result.update(
         timing={k: round(v, 2) for k, v in timing.items()}, threads=threads, per_token_abs_diff=per_token
     )

@@ -32,13 +32,16 @@ class DiagnoseOptions:
     probe: bool = True
     plots: bool = True
     threads: int | None = None
+    engine_head_dtype: str | None = None
+    ladder: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DiagnoseOptions:
         """From the parsed command line (``--no-floor`` etc. become ``floor=False``)."""
-        names = {f.name for f in fields(cls)} - {"floor", "probe", "plots"}
+        names = {f.name for f in fields(cls)} - {"floor", "probe", "plots", "ladder"}
         kw = {n: getattr(args, n) for n in names if hasattr(args, n)}
         kw.update(floor=not args.no_floor, probe=not args.no_probe, plots=not args.no_plots)
+        kw.update(ladder=not getattr(args, "no_ladder", False))
         return cls(**kw)
 
     def check(self) -> list[tuple[str, tuple[str, ...]]]:
@@ -53,6 +56,10 @@ class DiagnoseOptions:
             raise AlignmentError(f"--temperature must be a finite number >= 0, got {t!r}")
         if self.threads is not None and self.threads < 1:
             raise AlignmentError(f"--threads must be >= 1, got {self.threads!r}")
+        if self.engine_head_dtype is not None:
+            from .head import check_head_option
+
+            check_head_option(self.engine_head_dtype)
         return parse_settings(self.settings)
 
 

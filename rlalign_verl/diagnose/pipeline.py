@@ -59,6 +59,7 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
 
 def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict) -> Sample:
     """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process)."""
+    from .head import engine_hf_overrides
     from .rollouts import read_rollouts
     from .runner import EngineJob, run_engine_jobs
     from .tiny import build_tiny_checkpoint, tiny_prompts
@@ -83,6 +84,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
         seed=opts.seed,
         temperature=opts.temperature,
         enforce_eager=profile.name.endswith("-eager"),
+        hf_overrides=engine_hf_overrides(opts.engine_head_dtype),
     )
     n = opts.num_prompts * opts.seeds
     t = time.time()
@@ -141,11 +143,18 @@ def measure(train: list, s: Sample, seed: int) -> tuple[dict[str, Any], list[flo
 
 
 def recompute_settings(
-    hf: Any, s: Sample, settings: list, seed: int, note: str = "", flips: Any = None
+    hf: Any,
+    s: Sample,
+    settings: list,
+    seed: int,
+    note: str = "",
+    flips: Any = None,
+    head_dtype: str = "model",
 ) -> dict[str, Any]:
     """``{label: (metrics, per_token)}`` for each ``(label, regions)`` setting, aligned with the profile.
 
     ``flips`` (:class:`.moe_routes.RouteFlips`, MoE models) adds the routing-flip fractions to the metrics.
+    ``head_dtype``: the engine's head dtype (:mod:`.head`), what the ``lm_head`` region is aligned to.
     """
     import contextlib
 
@@ -153,7 +162,7 @@ def recompute_settings(
 
     out = {}
     for label, regions in settings:
-        apply_alignment(hf, regions=regions, engine=s.profile.name)
+        apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype)
         route_info: dict[str, Any] = {}
         try:
             with flips.recording(hf, route_info) if flips else contextlib.nullcontext():

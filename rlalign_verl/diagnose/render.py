@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import atomic_target
+from .ladder import format_ladder
 from .moe_routes import FLIP_KEY
 from .recommend import flip_change, floor_relation
 from .stats import CI_KEYS
@@ -105,7 +106,12 @@ def _probe(probe: dict[str, Any] | None) -> list[str]:
 
 def format_report(result: dict[str, Any]) -> str:
     """The terminal table."""
-    lines = _header(result) + _table(result) + _probe(result.get("op_probe"))
+    lines = (
+        _header(result)
+        + _table(result)
+        + format_ladder(result.get("ladder"))
+        + _probe(result.get("op_probe"))
+    )
     lines += ["", "recommendation: " + result["recommendation"]["text"]]
     return "\n".join(lines)
 

@@ -90,6 +90,8 @@ class EngineJob:
     enforce_eager: bool = False
     prompt_logprobs: bool = True
     max_model_len: int | None = None
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """Passed to ``vllm.LLM(hf_overrides=...)``, e.g. ``{"head_dtype": "float32"}`` (the engine's fp32 head)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -249,6 +251,7 @@ def _header(job: EngineJob, llm: Any, max_len: int, t_start: float, t_gen: float
             "generate_s": round(t_gen, 3),
             "max_model_len": max_len,
             "model_identity": model_identity(job.model_dir),
+            "hf_overrides": dict(job.hf_overrides),
             **job.extra,
         },
     )
@@ -288,6 +291,7 @@ def _run_job(job: EngineJob) -> None:
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         enforce_eager=job.enforce_eager,
         enable_prefix_caching=False,
+        **({"hf_overrides": dict(job.hf_overrides)} if job.hf_overrides else {}),
     )
     t_start = time.time() - t0
     params = [

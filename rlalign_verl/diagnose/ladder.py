@@ -1,0 +1,228 @@
+"""The attribution ladder of ``diagnose``: how much of the gap each added setting removes.
+
+Rungs are data (:data:`LADDER`): each adds regions (and ``apply_alignment`` options) to every rung above it
+that ran. A rung that cannot be measured here (``attention`` outside the vLLM CPU profiles, ``lm_head``
+without an fp32 engine head) is listed with the reason and the next rung builds on the last one that ran.
+
+Per rung: mean |Δlogp| with the same prompt bootstrap as the settings table (:mod:`.stats`), the count of
+tokens whose Δlogp is exactly 0, and its **share** of what the previous rung left,
+``(prev - cur) / prev``, with a 95% interval from the same prompt draws for both rungs. A share whose
+interval holds 0 is reported as within noise, never as a gain or a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..regions import REGIONS
+from .stats import N_BOOT, prompt_groups
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One ladder step: the regions (and ``apply_alignment`` keyword options) it adds, and what it needs."""
+
+    name: str
+    adds: tuple[str, ...]
+    needs: str | None = None
+    """``"attention"``: a profile whose attention is reproduced; ``"fp32-head"``: an engine fp32 head."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+LADDER: tuple[Rung, ...] = (
+    Rung("none", ()),
+    Rung("rope+swiglu+rmsnorm", REGIONS),
+    Rung("+ attention", ("attention",), needs="attention"),
+    Rung("+ lm_head", ("lm_head",), needs="fp32-head"),
+)
+"""The rungs in order; the engine-compiled norm rung is added here as one row once it exists."""
+
+HEAD_NOTE = (
+    "the engine's head is bf16 (the model dtype), which HF's head already computes: lm_head changes nothing "
+    "here; run the engine with --engine-head-dtype float32 to measure this rung"
+)
+
+
+def skip_reason(rung: Rung, profile: Any, head_dtype: str) -> str | None:
+    """Why ``rung`` is not measured for this profile and engine head (``None``: it is measured)."""
+    if rung.needs == "attention":
+        from ..regions.attention import AttentionUnsupportedError, check_attention_supported
+
+        if profile.engine == "hf":
+            return "the hf profile keeps HF's own attention: nothing to align"
+        try:
+            check_attention_supported(profile)
+        except AttentionUnsupportedError as e:
+            return str(e)
+    if rung.needs == "fp32-head" and head_dtype != "float32":
+        return HEAD_NOTE
+    return None
+
+
+def plan(profile: Any, head_dtype: str) -> list[tuple[Rung, tuple[str, ...] | None, str | None]]:
+    """``[(rung, cumulative regions or None, skip reason)]`` in ladder order."""
+    out, have = [], ()
+    for rung in LADDER:
+        why = skip_reason(rung, profile, head_dtype)
+        if why is None:
+            have = tuple(r for r in (*REGIONS, "moe", "attention", "lm_head") if r in {*have, *rung.adds})
+        out.append((rung, None if why else have, why))
+    return out
+
+
+# --- the numbers -------------------------------------------------------------------------------
+
+
+def zero_count(values: list[float]) -> int:
+    """Tokens whose |Δlogp| is exactly 0."""
+    return sum(1 for v in values if v == 0.0)
+
+
+def _group_sums(
+    values: list[float], lengths: list[int], groups: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(groups) + 1
+    sums, counts = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    flat, start = torch.tensor(values, dtype=torch.float64), 0
+    for k, g in zip(lengths, groups, strict=True):
+        part = flat[start : start + k]
+        part = part[torch.isfinite(part)]
+        sums[g] += part.sum()
+        counts[g] += part.numel()
+        start += k
+    return sums, counts
+
+
+def _quantiles(x: torch.Tensor) -> list[float]:
+    return torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+
+def share_statement(share: float | None, ci: list[float] | None, prev_mean: float, same: bool) -> str:
+    """The words for a rung's share of what the previous rung left."""
+    if prev_mean == 0:
+        return "nothing left to remove (the previous rung's gap is exactly zero)"
+    if same:
+        return "no change (every token's Δlogp is identical to the previous rung's)"
+    assert share is not None and ci is not None
+    if ci[0] <= 0 <= ci[1]:
+        return f"within noise (95% interval of the share [{100 * ci[0]:.0f}%, {100 * ci[1]:.0f}%] holds 0)"
+    verb, lo, hi = ("removes", ci[0], ci[1]) if share > 0 else ("adds", -ci[1], -ci[0])
+    return f"{verb} {100 * abs(share):.1f}% [{100 * lo:.1f}%, {100 * hi:.1f}%] of what the previous rung left"
+
+
+def ladder_rows(
+    names: list[str], per_token: list[list[float]], lengths: list[int], groups: list[int], *, seed: int = 0
+) -> list[dict[str, Any]]:
+    """One row per measured rung: mean, 95% interval, exact-zero count, share of the previous rung's gap.
+
+    ``per_token[i]``: rung ``i``'s |Δlogp| per token, rollouts concatenated (``lengths`` tokens each);
+    ``groups``: the prompt of each rollout (the bootstrap unit, drawn identically for every rung).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sc = [_group_sums(v, lengths, groups) for v in per_token]
+    idx = torch.randint(0, sc[0][0].numel(), (N_BOOT, sc[0][0].numel()), generator=gen)
+    boots = [s[idx].sum(1) / c[idx].sum(1).clamp_min(1) for s, c in sc]
+    rows: list[dict[str, Any]] = []
+    for i, (name, values) in enumerate(zip(names, per_token, strict=True)):
+        sums, counts = sc[i]
+        mean = float(sums.sum() / counts.sum().clamp_min(1))
+        zeros, n = zero_count(values), len(values)
+        row = {"rung": name, "mean": mean, "ci95": _quantiles(boots[i]), "exact_zero": zeros, "tokens": n}
+        if zeros == n:
+            row["exactly_zero"] = f"gap is exactly zero ({n}/{n} tokens with Δlogp = 0)"
+        if i > 0:
+            prev, same = rows[-1]["mean"], values == per_token[i - 1]
+            share = ci = None
+            if prev > 0:
+                share = (prev - mean) / prev
+                ok = boots[i - 1] > 0
+                ci = (
+                    _quantiles((boots[i - 1][ok] - boots[i][ok]) / boots[i - 1][ok])
+                    if ok.any()
+                    else [share, share]
+                )
+            row.update(share=share, share_ci95=ci, share_text=share_statement(share, ci, prev, same))
+        rows.append(row)
+    return rows
+
+
+def rollout_layout(rollouts: list) -> tuple[list[int], list[int]]:
+    """``(response lengths, prompt groups)`` of the rollouts, the layout of a per-token list."""
+    return [len(r.response_ids) for r in rollouts], prompt_groups(rollouts)
+
+
+# --- running it and showing it -----------------------------------------------------------------
+
+
+def _recompute(
+    hf: Any, s: Any, regions: tuple[str, ...], options: Mapping[str, Any], head_dtype: str, seed: int
+) -> list:
+    from ..patch import apply_alignment, remove_alignment
+    from . import pipeline
+
+    apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, **options)
+    try:
+        lps = pipeline.recompute(
+            lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, "recompute [ladder]"
+        )
+    finally:
+        remove_alignment(hf)
+    return pipeline.measure(lps, s, seed)[1]
+
+
+def run_ladder(hf: Any, s: Any, head: tuple[str, str], seed: int, known: dict[str, list]) -> dict[str, Any]:
+    """The ladder for sample ``s`` (``head``: the engine's head dtype and where it was read).
+
+    ``known``: per-token |Δlogp| of settings already recomputed (by label), reused for rungs without options.
+    """
+    from .options import label
+
+    steps, names, values = plan(s.profile, head[0]), [], []
+    for rung, regions, why in steps:
+        if why is None:
+            lab = label(regions)
+            got = known.get(lab) if not rung.options else None
+            values.append(got if got is not None else _recompute(hf, s, regions, rung.options, head[0], seed))
+            names.append(rung.name)
+    measured = iter(ladder_rows(names, values, *rollout_layout(s.rollouts), seed=seed))
+    rows = []
+    for rung, regions, why in steps:
+        rows.append(
+            {"rung": rung.name, "skipped": why} if why else {**next(measured), "regions": list(regions)}
+        )
+    return {"head_dtype": head[0], "head_dtype_from": head[1], "rows": rows}
+
+
+def format_ladder(ladder: dict[str, Any] | None) -> list[str]:
+    """The terminal lines of the ladder (none when it was not run)."""
+    if not ladder:
+        return []
+    lines = [
+        "",
+        f"attribution ladder (each rung adds to the rungs above it; engine head {ladder['head_dtype']}, "
+        f"from {ladder['head_dtype_from']})",
+        f"  {'rung':<22}{'mean |Δlogp|':>13}{'95% CI':>24}{'Δlogp = 0':>14}  share of what the previous rung left",
+    ]
+    for r in ladder["rows"]:
+        if r.get("skipped"):
+            lines.append(f"  {r['rung']:<22}skipped: {r['skipped']}")
+            continue
+        ci = f"[{r['ci95'][0]:.4g}, {r['ci95'][1]:.4g}]"
+        zeros = f"{r['exact_zero']}/{r['tokens']}"
+        share = r.get("share_text", "")
+        lines.append(f"  {r['rung']:<22}{r['mean']:>13.4g}{ci:>24}{zeros:>14}  {share}".rstrip())
+        if r.get("exactly_zero"):
+            lines.append(f"  {'':<22}{r['exactly_zero']}")
+    return lines
+
+
+def check_settings(settings: list, profile: Any) -> None:
+    """Refuse (one line, before the engine starts) a ``--settings`` entry with ``attention`` the profile cannot run."""
+    from ..regions.attention import check_attention_supported
+
+    if any("attention" in regions for _, regions in settings):
+        check_attention_supported(profile)
