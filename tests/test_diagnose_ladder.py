@@ -122,7 +122,9 @@ def test_bad_head_dtype_refused_before_the_engine(monkeypatch, capsys, tmp_path)
 
 def test_attention_setting_refused_for_a_cuda_dump(tiny_checkpoint, capsys, tmp_path):
     model = tiny_checkpoint("qwen2")
-    header = RolloutHeader("vllm", "0.31.0", "compiled", str(model), "bfloat16", 0, {"temperature": 1.0}, "vllm")
+    header = RolloutHeader(
+        "vllm", "0.31.0", "compiled", str(model), "bfloat16", 0, {"temperature": 1.0}, "vllm"
+    )
     dump = tmp_path / "d.jsonl"
     write_rollouts(dump, header, [Rollout([10, 11], [5, 6], [-1.0, -0.5], None)])
     argv = ["diagnose", "--rollout-logprobs", str(dump), "--model", str(model), "--out", str(tmp_path / "o")]
