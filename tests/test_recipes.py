@@ -42,14 +42,19 @@ def _env(**knobs: str) -> dict:
     return env
 
 
-def recipe_command(recipe: str, **knobs: str) -> list[str]:
-    out = subprocess.run(
-        ["bash", str(ROOT / "recipes" / recipe)],
+def run_recipe(script: str, *args: str, timeout: int = 60, **knobs: str) -> subprocess.CompletedProcess[str]:
+    """``bash recipes/<script> <args>`` with ``knobs`` as its env vars (other knobs of this shell cleared)."""
+    return subprocess.run(
+        ["bash", str(ROOT / "recipes" / script), *args],
         capture_output=True,
         text=True,
-        env=_env(DRY_RUN="print", **knobs),
-        timeout=60,
+        env=_env(**knobs),
+        timeout=timeout,
     )
+
+
+def recipe_command(recipe: str, **knobs: str) -> list[str]:
+    out = run_recipe(recipe, DRY_RUN="print", **knobs)
     assert out.returncode == 0, out.stderr
     return shlex.split(out.stdout)
 
@@ -120,12 +125,7 @@ def test_recipe_knobs_sglang_multinode_and_sizes():
     cfg = compose_recipe("grpo_qwen3_gsm8k.sh", ALIGN="rope,swiglu", MODEL_SIZE="4B")
     assert OmegaConf.to_container(cfg, resolve=True)["alignment"]["regions"] == ["rope", "swiglu"]
     verl_accepts(cfg)
-    bad = subprocess.run(
-        ["bash", str(ROOT / "recipes" / "grpo_qwen3_gsm8k.sh")],
-        capture_output=True,
-        text=True,
-        env=_env(DRY_RUN="print", MODEL_SIZE="70B"),
-    )
+    bad = run_recipe("grpo_qwen3_gsm8k.sh", DRY_RUN="print", MODEL_SIZE="70B")
     assert bad.returncode == 2 and "MODEL_SIZE must be" in bad.stderr
 
 
@@ -133,13 +133,7 @@ def test_recipe_dry_run_composes_with_cfg_job():
     """``DRY_RUN=1`` runs the real entry point with ``--cfg job --resolve``: no Ray, no GPU."""
     import yaml
 
-    out = subprocess.run(
-        ["bash", str(ROOT / "recipes" / "grpo_qwen3_math.sh")],
-        capture_output=True,
-        text=True,
-        env=_env(DRY_RUN="1", ALIGN="all"),
-        timeout=300,
-    )
+    out = run_recipe("grpo_qwen3_math.sh", timeout=300, DRY_RUN="1", ALIGN="all")
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     assert cfg["alignment"]["regions"] == ["rope", "swiglu", "rmsnorm"]
@@ -149,18 +143,8 @@ def test_recipe_dry_run_composes_with_cfg_job():
 
 
 def test_ablation_driver_runs_each_align(tmp_path):
-    out = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "recipes" / "ablation.sh"),
-            str(ROOT / "recipes" / "grpo_qwen2_5_gsm8k.sh"),
-            "trainer.total_epochs=1",
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(DRY_RUN="print", OUT_DIR=str(tmp_path)),
-        timeout=60,
-    )
+    recipe = str(ROOT / "recipes" / "grpo_qwen2_5_gsm8k.sh")
+    out = run_recipe("ablation.sh", recipe, "trainer.total_epochs=1", DRY_RUN="print", OUT_DIR=str(tmp_path))
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.splitlines() if line.strip()]
     assert len(commands) == 3
@@ -175,18 +159,11 @@ def test_ablation_driver_runs_each_align(tmp_path):
 
 
 def test_submit_ray_job_forwards_knobs():
-    out = subprocess.run(
-        [
-            "bash",
-            str(ROOT / "recipes" / "submit_ray_job.sh"),
-            str(ROOT / "recipes" / "grpo_qwen3_math.sh"),
-            "trainer.total_epochs=1",
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(DRY_RUN="1", RAY_ADDRESS="http://head:8265", ALIGN="all", NNODES="4"),
-        timeout=60,
-    )
+    recipe = str(ROOT / "recipes" / "grpo_qwen3_math.sh")
+    out = run_recipe(
+        "submit_ray_job.sh", recipe, "trainer.total_epochs=1",
+        DRY_RUN="1", RAY_ADDRESS="http://head:8265", ALIGN="all", NNODES="4",
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     argv = shlex.split(out.stdout)
     assert argv[:5] == ["ray", "job", "submit", "--address", "http://head:8265"]
