@@ -106,6 +106,17 @@ def read_jsonl(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def logged_fit_steps(path, outputs: list[dict]) -> list[dict]:
+    """A 3-step fit's logged metrics; each step's mismatch/* checked against :func:`expected` on its batch."""
+    rows = read_jsonl(path)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row, data in zip(rows, outputs, strict=True):
+        logged = row["data"]
+        assert ALL_KEYS <= set(logged), sorted(ALL_KEYS - set(logged))
+        assert_matches(logged, expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+    return [row["data"] for row in rows]
+
+
 # ----------------------------------------------------------------------------------------------
 # step_mismatch_metrics with real DataProto batches and a real Tracking
 # ----------------------------------------------------------------------------------------------
@@ -374,12 +385,7 @@ def test_legacy_trainer_fit_logs_mismatch_every_step(trainer_modules, tmp_path, 
     trainer, rollout = _legacy_trainer(_fit_config(*overrides, alignment="all"), tmp_path, monkeypatch)
     trainer.fit()
 
-    rows = read_jsonl(tmp_path / "legacy.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    for row, data in zip(rows, rollout.outputs, strict=True):
-        logged = row["data"]
-        assert ALL_KEYS <= set(logged), sorted(ALL_KEYS - set(logged))
-        assert_matches(logged, expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+    for logged in logged_fit_steps(tmp_path / "legacy.jsonl", rollout.outputs):
         assert "training/rollout_probs_diff_mean" in logged and "critic/score/mean" in logged
         if rollout_is:
             assert any(k.startswith("rollout_corr/") for k in logged)
@@ -507,10 +513,5 @@ def test_v1_trainer_fit_logs_mismatch_every_step(trainer_modules, transfer_queue
     trainer._compute_metrics = compute_metrics
     trainer.fit(agent_loop_manager=None)
 
-    rows = read_jsonl(tmp_path / "v1.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3]
-    for row, data in zip(rows, io.outputs, strict=True):
-        logged = row["data"]
-        assert ALL_KEYS <= set(logged), sorted(ALL_KEYS - set(logged))
-        assert_matches(logged, expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+    for logged in logged_fit_steps(tmp_path / "v1.jsonl", io.outputs):
         assert {"training/rollout_probs_diff_mean", "actor/entropy", "actor/grad_norm"} <= set(logged)

@@ -169,18 +169,23 @@ ENGINE_CASES = {
 }
 
 
-@pytest.mark.verl
-def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
-    pytest.importorskip("verl")
+def _run_engine_child(model_path: str, timeout: int) -> tuple[dict, str]:
+    """:func:`_engine_child` in a fresh process: its results per case, and its stderr (the log lines)."""
     out = subprocess.run(
-        [sys.executable, __file__, "engine", qwen2_path],
+        [sys.executable, __file__, "engine", model_path],
         capture_output=True,
         text=True,
         env=dict(ENV, VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VERL_LOGGING_LEVEL="WARNING"),
-        timeout=600,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.mark.verl
+def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
+    pytest.importorskip("verl")
+    results, stderr = _run_engine_child(qwen2_path, timeout=600)
     for case in ENGINE_CASES:
         r = results[case]
         assert r["actor"] == {"regions": ["rope", "swiglu", "rmsnorm"], "profile": "vllm-cpu"}, (case, r)
@@ -191,8 +196,8 @@ def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
         assert r["actor_logits_finite"], (case, r)
         assert r["flags_left"] == [], (case, r)
     # one log line per aligned model, naming role, regions and profile
-    lines = [ln for ln in out.stderr.splitlines() if "[rlalign-verl]" in ln and "aligned" in ln]
-    assert len(lines) == 2 * len(ENGINE_CASES), out.stderr[-3000:]
+    lines = [ln for ln in stderr.splitlines() if "[rlalign-verl]" in ln and "aligned" in ln]
+    assert len(lines) == 2 * len(ENGINE_CASES), stderr[-3000:]
     assert any(
         "aligned Qwen2ForCausalLM (role=actor, rank 0): regions=rope,swiglu,rmsnorm profile=vllm-cpu" in ln
         for ln in lines
@@ -204,21 +209,13 @@ def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
 def test_verl_fsdp_engine_aligns_tiny_qwen3_moe_actor(tiny_checkpoint):
     """The same engine path builds an aligned tiny Qwen3-MoE actor (routed experts patched too)."""
     pytest.importorskip("verl")
-    out = subprocess.run(
-        [sys.executable, __file__, "engine", str(tiny_checkpoint("qwen3_moe"))],
-        capture_output=True,
-        text=True,
-        env=dict(ENV, VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VERL_LOGGING_LEVEL="WARNING"),
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results, stderr = _run_engine_child(str(tiny_checkpoint("qwen3_moe")), timeout=900)
     for case, r in results.items():
         assert r["actor"] == {"regions": ["rope", "swiglu", "rmsnorm"], "profile": "vllm-cpu"}, (case, r)
         assert r["critic"] is None, (case, r)
         assert r["actor_logits_change_when_removed"] > 0 and r["actor_logits_finite"], (case, r)
         assert "Qwen3MoeExperts" in r["actor_bound"], (case, r)
-    assert any("aligned Qwen3MoeForCausalLM (role=actor, rank 0)" in ln for ln in out.stderr.splitlines())
+    assert any("aligned Qwen3MoeForCausalLM (role=actor, rank 0)" in ln for ln in stderr.splitlines())
 
 
 def _engine_child(model_path: str) -> None:
