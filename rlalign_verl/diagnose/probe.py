@@ -141,15 +141,20 @@ def op_probe(model: Any, *, seed: int = 0, tokens: int = 64) -> dict[str, Any]:
     """Each region function, for every profile, vs the engine's op in both CPU modes, on model shapes.
 
     Returns ``{"modes": {mode: {profile: {region: compare-dict}}}, "recommended": {mode: profile},
-    "tokens": n}``; ``mode`` is ``"eager"`` (enforce_eager) or ``"compiled"`` (the CPU default).
+    "tokens": n}`` and, for MoE models, ``"moe": {mode: {profile: {"router"|"experts": compare-dict}}}``
+    (:mod:`.probe_moe`); ``mode`` is ``"eager"`` (enforce_eager) or ``"compiled"`` (the CPU default).
     """
     from ..profiles import PROFILES
+    from .probe_moe import moe_probe
 
     x = _inputs(model, seed, tokens)
     modes: dict[str, dict[str, Any]] = {}
+    moe: dict[str, Any] = {}  # MoE models: router and experts rows (profiles with an MoE rounding)
     for mode, compiled in (("eager", False), ("compiled", True)):
         eng = _engine_outputs(model, x, compiled)
         modes[mode] = {name: _ours(model, x, prof, eng) for name, prof in PROFILES.items()}
+        if (rows := moe_probe(model, x["h"], compiled)) is not None:
+            moe[mode] = rows
     own = {"eager": "vllm-cpu-eager", "compiled": "vllm-cpu"}
     recommended = {
         # highest worst-region identity; ties go to the profile written for this path
@@ -158,4 +163,4 @@ def op_probe(model: Any, *, seed: int = 0, tokens: int = 64) -> dict[str, Any]:
         )
         for mode, per in modes.items()
     }
-    return {"modes": modes, "recommended": recommended, "tokens": tokens}
+    return {"modes": modes, "recommended": recommended, "tokens": tokens, **({"moe": moe} if moe else {})}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,28 @@ def _table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pct(identical: float, n: int, differing: int) -> str:
+    """A bit-identical fraction, truncated (never rounded up to 100%); ``n/a`` when nothing was compared."""
+    if n == 0:
+        return "n/a"
+    if differing == 0:
+        return "100%"
+    return f"{math.floor(1e5 * identical) / 1e3:.3f}%"
+
+
+def _moe_probe(per: dict[str, Any], mode: str) -> list[str]:
+    lines = []
+    for prof, rows in per.items():
+        r, e = rows["router"], rows["experts"]
+        ids = _pct(r["ids_identical"], r["tokens"], r["ids_differing"])
+        lines.append(
+            f"  engine {mode:<8} profile {prof:<15} router ids {ids} of {r['tokens']} tokens, weights "
+            f"{_pct(r['identical'], r['n'], r['differing'])}/{r['max_ulp']} fp32 ulp  experts+combine "
+            f"{_pct(e['identical'], e['n'], e['differing'])} ({e['differing']} of {e['n']} differ)/{e['max_ulp']}"
+        )
+    return lines
+
+
 def _probe(probe: dict[str, Any] | None) -> list[str]:
     if not probe or "modes" not in probe:
         return []
@@ -97,10 +120,15 @@ def _probe(probe: dict[str, Any] | None) -> list[str]:
         rec = probe["recommended"][mode]
         for prof in dict.fromkeys([rec, "vllm-cpu" if mode == "compiled" else "vllm-cpu-eager", "hf"]):
             cells = "  ".join(
-                f"{reg} {100 * v['identical']:.3f}%/{v['max_ulp']}" for reg, v in per[prof].items()
+                f"{reg} {_pct(v['identical'], v['n'], v['differing'])}/{v['max_ulp']}"
+                for reg, v in per[prof].items()
             )
             mark = "  <- recommended" if prof == rec else ""
             lines.append(f"  engine {mode:<8} profile {prof:<15} {cells}{mark}")
+    if probe.get("moe"):
+        lines.append("MoE ops (first sparse block's weights) vs CPURouter._softmax_topk / cpu_fused_moe:")
+        for mode, per in probe["moe"].items():
+            lines += _moe_probe(per, mode)
     return lines
 
 
