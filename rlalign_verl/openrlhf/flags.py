@@ -23,6 +23,8 @@ FLAG_TABLE: dict[str, tuple[str, ...]] = {
     "is_correction_enable": ("--algo.advantage.is_correction_enable", "--enable_vllm_is_correction"),
     "is_correction_threshold": ("--algo.advantage.is_correction_threshold", "--vllm_is_truncated_threshold"),
     "vllm_num_engines": ("--vllm.num_engines", "--vllm_num_engines"),
+    "vllm_tensor_parallel_size": ("--vllm.tensor_parallel_size", "--vllm_tensor_parallel_size"),
+    "model_path": ("--actor.model_name_or_path", "--pretrain"),
     "eps_clip": ("--actor.eps_clip", "--eps_clip"),
     "eps_clip_low_high": ("--actor.eps_clip_low_high", "--eps_clip_low_high"),
 }

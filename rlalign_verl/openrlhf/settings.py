@@ -28,6 +28,7 @@ from ..options import parse_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
 from .flags import check_spellings, spellings
+from .moe_checks import check_moe_parallel
 
 ENV_REGIONS = "RLALIGN_REGIONS"
 ENV_ENGINE = "RLALIGN_ENGINE"
@@ -225,6 +226,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     check_liger(regions, rest)
     check_opt_in(regions, profile)
+    check_moe_parallel(regions, rest)
     settings = Settings(
         regions=regions,
         profile=profile,

@@ -1,0 +1,83 @@
+"""MoE parallel settings the alignment cannot follow: the launcher refuses them with one line, before Ray.
+
+OpenRLHF 0.11.2 has no expert-parallel flag (its vLLM engines get fixed arguments); a flag naming it is
+refused for MoE checkpoints, and vLLM tensor parallel (experts split over ranks, bf16 all-reduce) is refused
+with the moe region. Dense models, remote models and settings without the MoE regions pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openrlhf")
+
+from rlalign_verl.openrlhf import flags  # noqa: E402
+from rlalign_verl.openrlhf.settings import parse_launcher_args  # noqa: E402
+from rlalign_verl.openrlhf.train_ppo_ray import main  # noqa: E402
+
+
+def _model(tmp_path, model_type: str) -> str:
+    d = tmp_path / model_type
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return str(d)
+
+
+# id -> (regions, extra argv, fragment of the one error line)
+BAD = {
+    "expert parallel flag": ("all", ["--vllm.enable_expert_parallel"], "drop --vllm.enable_expert_parallel"),
+    "expert parallel size=": ("swiglu", ["--vllm.expert_parallel_size=2"], "expert parallel sums"),
+    "vllm tp 2 with moe": ("all,moe", ["--vllm.tensor_parallel_size", "2"], "use --vllm.tensor_parallel_size 1"),
+    "vllm tp=4 with moe only": ("moe", ["--vllm.tensor_parallel_size=4"], "drop moe from --alignment.regions"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_moe_parallel_settings_are_refused_before_ray(case, tmp_path, capsys, monkeypatch):
+    regions, extra, fragment = BAD[case]
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite a bad setting"))
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: None)  # the EP flags are not OpenRLHF 0.11.2's
+    argv = [
+        "--alignment.regions",
+        regions,
+        "--actor.model_name_or_path",
+        _model(tmp_path, "qwen3_moe"),
+        *extra,
+    ]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--vllm.num_engines", "1"])
+    assert info.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("[rlalign-verl] ERROR AlignmentError: --") and fragment in lines[0], lines[0]
+    assert "qwen3_moe" in lines[0] and "one rank" in lines[0]
+
+
+# id -> (model type or a remote name, regions, extra argv)
+GOOD = {
+    "tp 2 without moe": ("qwen3_moe", "all", ["--vllm.tensor_parallel_size", "2"]),
+    "tp 1 with moe": ("qwen2_moe", "all,moe", ["--vllm.tensor_parallel_size=1"]),
+    "dense model, tp 2 + moe": ("qwen2", "all,moe", ["--vllm.tensor_parallel_size", "2"]),
+    "nothing aligned, expert parallel": ("qwen3_moe", "none", ["--vllm.enable_expert_parallel"]),
+    "remote model": (None, "all,moe", ["--vllm.tensor_parallel_size", "2"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(GOOD))
+def test_supported_settings_pass(case, tmp_path, monkeypatch):
+    model_type, regions, extra = GOOD[case]
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
+    path = _model(tmp_path, model_type) if model_type else "Qwen/Qwen3-30B-A3B"
+    opts = parse_launcher_args(["--alignment.regions", regions, "--actor.model_name_or_path", path, *extra])
+    assert opts.openrlhf_argv[-len(extra) :] == extra
+
+
+def test_openrlhf_declares_no_expert_parallel_flag():
+    """What the module docstring claims about the installed release (re-check on an OpenRLHF upgrade)."""
+    installed = flags.installed_flags()
+    assert installed and "--vllm.tensor_parallel_size" in installed
+    assert not [f for f in installed if "expert_parallel" in f]
