@@ -8,6 +8,8 @@ Roundings inside the forward are straight-through, so the reference is the unrou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,19 @@ def leaf(t: torch.Tensor, dtype=BF) -> torch.Tensor:
     return t.to(dtype).detach().requires_grad_(True)
 
 
+def grads_match(
+    loss: Callable[..., torch.Tensor], loss64: Callable[..., torch.Tensor], inputs: tuple
+) -> None:
+    """Backprop ``loss(*inputs)`` and ``loss64`` of float64 copies of ``inputs``; :func:`close` on every gradient."""
+    for t in inputs:
+        t.grad = None
+    loss(*inputs).backward()
+    copies = tuple(t.detach().double().requires_grad_(True) for t in inputs)
+    loss64(*copies).backward()
+    for t, t64 in zip(inputs, copies, strict=True):
+        close(t.grad, t64.grad)
+
+
 def _ref_norm64(s, w, mean: Mean):
     var = s.pow(2).mean(-1, keepdim=True) if mean is Mean.MEAN else s.pow(2).sum(-1, keepdim=True) / s.shape[-1]
     return s * torch.rsqrt(var + EPS) * w
@@ -46,17 +61,15 @@ def test_add_rms_norm_grad(profile: str, residual_dtype: torch.dtype) -> None:
     w = leaf(1 + 0.2 * torch.randn(896))
     gy, gr = torch.randn(3, 5, 896), torch.randn(3, 5, 896)
     for round_residual in (True, False):
-        for t in (h, r, w):
-            t.grad = None
-        y, res = add_rms_norm(h, r, w, EPS, p.norm, round_residual=round_residual)
-        (y.float() * gy).sum().add_((res.float() * gr).sum()).backward()
 
-        h64, r64, w64 = (t.detach().double().requires_grad_(True) for t in (h, r, w))
-        s64 = h64 + r64
-        ((_ref_norm64(s64, w64, p.norm.mean) * gy.double()).sum() + (s64 * gr.double()).sum()).backward()
-        close(h.grad, h64.grad)
-        close(r.grad, r64.grad)
-        close(w.grad, w64.grad)
+        def loss(h, r, w, round_residual=round_residual):
+            y, res = add_rms_norm(h, r, w, EPS, p.norm, round_residual=round_residual)
+            return (y.float() * gy).sum() + (res.float() * gr).sum()
+
+        def loss64(h, r, w):
+            return (_ref_norm64(h + r, w, p.norm.mean) * gy.double()).sum() + ((h + r) * gr.double()).sum()
+
+        grads_match(loss, loss64, (h, r, w))
         assert h.grad.dtype == BF and r.grad.dtype == residual_dtype and w.grad.dtype == BF
 
 
@@ -67,12 +80,11 @@ def test_rms_norm_grad(profile: str) -> None:
     x, w = leaf(torch.randn(4, 7, 128) * 3), leaf(1 + 0.2 * torch.randn(128))
     gy = torch.randn(4, 7, 128)
     for keep_fp32 in (False, True):
-        x.grad = w.grad = None
-        (rms_norm(x, w, EPS, p.norm, keep_fp32=keep_fp32).float() * gy).sum().backward()
-        x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
-        (_ref_norm64(x64, w64, p.norm.mean) * gy.double()).sum().backward()
-        close(x.grad, x64.grad)
-        close(w.grad, w64.grad)
+        grads_match(
+            lambda x, w, keep=keep_fp32: (rms_norm(x, w, EPS, p.norm, keep_fp32=keep).float() * gy).sum(),
+            lambda x, w: (_ref_norm64(x, w, p.norm.mean) * gy.double()).sum(),
+            (x, w),
+        )
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -81,11 +93,11 @@ def test_swiglu_grad(profile: str) -> None:
     torch.manual_seed(2)
     g, u = leaf(torch.randn(3, 11, 300) * 3), leaf(torch.randn(3, 11, 300) * 2)
     go = torch.randn(3, 11, 300)
-    (swiglu(g, u, p.swiglu).float() * go).sum().backward()
-    g64, u64 = (t.detach().double().requires_grad_(True) for t in (g, u))
-    (F.silu(g64) * u64 * go.double()).sum().backward()
-    close(g.grad, g64.grad)
-    close(u.grad, u64.grad)
+    grads_match(
+        lambda g, u: (swiglu(g, u, p.swiglu).float() * go).sum(),
+        lambda g, u: (F.silu(g) * u * go.double()).sum(),
+        (g, u),
+    )
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -98,8 +110,10 @@ def test_rope_grad(profile: str) -> None:
     cos, sin = (cos32, sin32) if p.rope.table == "fp32" else (cos32.to(BF), sin32.to(BF))
     q, k = leaf(torch.randn(2, 4, 13, 64) * 2), leaf(torch.randn(2, 2, 13, 64))
     gq, gk = torch.randn(2, 4, 13, 64), torch.randn(2, 2, 13, 64)
-    qo, ko = apply_rope(q, k, cos, sin, p.rope)
-    ((qo.float() * gq).sum() + (ko.float() * gk).sum()).backward()
+
+    def loss(q, k):
+        qo, ko = apply_rope(q, k, cos, sin, p.rope)
+        return (qo.float() * gq).sum() + (ko.float() * gk).sum()
 
     c = (cos.double() if p.rope.table == "fp32" else cos.float().double()).unsqueeze(1)
     s = (sin.double() if p.rope.table == "fp32" else sin.float().double()).unsqueeze(1)
@@ -108,10 +122,7 @@ def test_rope_grad(profile: str) -> None:
         x1, x2 = x[..., :32], x[..., 32:]
         return x * c + torch.cat((-x2, x1), -1) * s
 
-    q64, k64 = (t.detach().double().requires_grad_(True) for t in (q, k))
-    ((rot64(q64) * gq.double()).sum() + (rot64(k64) * gk.double()).sum()).backward()
-    close(q.grad, q64.grad)
-    close(k.grad, k64.grad)
+    grads_match(loss, lambda q, k: (rot64(q) * gq.double()).sum() + (rot64(k) * gk.double()).sum(), (q, k))
 
 
 def test_residual_limbs_are_exact_forward_and_backward() -> None:
