@@ -37,11 +37,14 @@ class AlignmentState:
     """``attention`` region: ``engine-op`` or ``sdpa-fp32`` (:mod:`.regions.attention`)."""
     head_dtype: str = "float32"
     """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
+    compiled_norm: bool = False
+    """Norm forwards compiled by Inductor as the engine compiles them (:mod:`.regions.inductor_norm`)."""
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
         extra += f" attention={self.attention_variant}" if "attention" in self.regions else ""
         extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
+        extra += " compiled_norm" if self.compiled_norm else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere
@@ -82,6 +85,23 @@ def region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     return swiglu_fn, rope_fn
 
 
+def norm_fns(st: AlignmentState) -> tuple[Callable, Callable]:
+    """``(rms_norm, add_rms_norm)``: eager, or compiled as the engine compiles them (``st.compiled_norm``).
+
+    ``add_rms_norm`` takes ``index=`` (the norm's position along the residual stream), which picks the
+    engine's kernel shape for the compiled norms and is ignored by the eager ones.
+    """
+    if st.compiled_norm:
+        from .regions.inductor_norm import inductor_norms
+
+        return inductor_norms(st.profile)
+
+    def add_norm(*args, index: int | None = None, **kwargs):
+        return add_rms_norm(*args, **kwargs)
+
+    return rms_norm, add_norm
+
+
 def mlp_forward(swiglu_fn: Callable) -> Callable:
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
@@ -101,6 +121,7 @@ def attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module
     # the hf profile keeps HF's own attention (aligning to it changes nothing)
     on = "attention" in st.regions and st.profile.engine != "hf"
     aligned_attn = attention_interface(st.attention_variant) if on else None
+    qk_norm, _ = norm_fns(st)
 
     def forward(
         self: nn.Module,
@@ -117,8 +138,8 @@ def attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if family.qk_norm:
             if norm_on:
-                q = rms_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
-                k = rms_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
+                q = qk_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
+                k = qk_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -164,6 +185,7 @@ def layer_forward(st: AlignmentState) -> Callable:
     # stored at every add (EVERY_ADD); only a one-graph model (NEVER) keeps it fp32 throughout.
     round_at_input = mode in (Residual.EVERY_ADD, Residual.AT_ATTENTION)
     round_at_post = mode is Residual.EVERY_ADD
+    _, add_norm = norm_fns(st)
 
     def forward(
         self: nn.Module,
@@ -178,7 +200,8 @@ def layer_forward(st: AlignmentState) -> Callable:
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
         # (h, r), or (the sum, None): a carried sum, or the embedding in the first layer
         h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
-        x, residual = add_rms_norm(
+        at = 2 * self.self_attn.layer_idx  # position of the input norm along the residual stream
+        x, residual = add_norm(
             h,
             residual,
             ln_in.weight,
@@ -186,6 +209,7 @@ def layer_forward(st: AlignmentState) -> Callable:
             st.norm,
             round_residual=round_at_input,
             out_dtype=hidden_states.dtype,
+            index=at,
         )
         a, _ = self.self_attn(
             hidden_states=x,
@@ -196,8 +220,8 @@ def layer_forward(st: AlignmentState) -> Callable:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        x, residual = add_rms_norm(
-            a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post
+        x, residual = add_norm(
+            a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post, index=at + 1
         )
         return pack(self.mlp(x), residual, carry)
 
@@ -205,9 +229,11 @@ def layer_forward(st: AlignmentState) -> Callable:
 
 
 def final_norm_forward(st: AlignmentState) -> Callable:
+    _, add_norm = norm_fns(st)
+
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         h, residual = unpack(hidden_states, self.weight.shape[-1])
-        y, _ = add_rms_norm(
+        y, _ = add_norm(  # the final norm's position (2 x layers) is even: never one that stores the sum
             h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
         )
         return y

@@ -35,6 +35,7 @@ from .options import parse_bool
 from .profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from .regions import normalize_regions
 from .regions.attention import check_attention_supported
+from .regions.inductor_norm import check_compiled_norm
 from .regions.lm_head import head_forward, parse_head_dtype
 
 logger = logging.getLogger("rlalign_verl")
@@ -230,6 +231,7 @@ def apply_alignment(
     kernels: str | None = None,
     attention: str = "engine-op",
     head_dtype: str | None = "float32",
+    compiled_norm: bool = False,
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
@@ -240,6 +242,8 @@ def apply_alignment(
     ``RLALIGN_TRITON=1``); not combinable with ``compile=True``.
     Opt-in regions: ``attention`` (``attention="engine-op"`` or ``"sdpa-fp32"``; vLLM CPU profiles only) and
     ``lm_head`` (``head_dtype``: the engine's head dtype, ``"float32"`` or ``"model"``; instance form only).
+    ``compiled_norm=True`` (opt-in; profiles with ``norm_inductor`` options, i.e. ``vllm-cpu``) runs the norm
+    forwards through Inductor with the engine's options and kernel shapes: bit-exact with the engine's kernels.
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
@@ -248,7 +252,9 @@ def apply_alignment(
     regions_t = normalize_regions(regions)
     profile = get_profile(engine)
     kernels_ = resolve_kernels(kernels, compile=compile)
-    options = {"attention_variant": attention, "head_dtype": parse_head_dtype(head_dtype)}
+    compiled_norm = parse_bool(compiled_norm, name="compiled_norm")
+    check_compiled_norm(profile, regions_t, compiled_norm)
+    options = {"attention_variant": attention, "head_dtype": parse_head_dtype(head_dtype), "compiled_norm": compiled_norm}
     if "attention" in regions_t:
         check_attention_supported(profile, attention)
     if model is None:
@@ -289,11 +295,19 @@ def aligned(
     kernels: str | None = None,
     attention: str = "engine-op",
     head_dtype: str | None = "float32",
+    compiled_norm: bool = False,
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = _state(model) if model is not None else None
     apply_alignment(
-        model, regions=regions, engine=engine, compile=compile, kernels=kernels, attention=attention, head_dtype=head_dtype
+        model,
+        regions=regions,
+        engine=engine,
+        compile=compile,
+        kernels=kernels,
+        attention=attention,
+        head_dtype=head_dtype,
+        compiled_norm=compiled_norm,
     )
     try:
         yield model
@@ -308,4 +322,5 @@ def aligned(
                 kernels=previous.kernels,
                 attention=previous.attention_variant,
                 head_dtype=previous.head_dtype,
+                compiled_norm=previous.compiled_norm,
             )

