@@ -32,6 +32,11 @@ On CPU each engine is checked against its CPU build's profile (``vllm`` -> ``vll
 profile must fail). Exit status: 0 when every row passes, 1 when any case raised, any row's best rounding
 variant is not the profile's own, a Triton row is not bit-identical, or nothing was compared (the reasons
 are printed and in the JSON's ``problems``); 2 for bad arguments.
+
+End-to-end step (when ``vllm`` is among ``--profiles``; ``--no-e2e`` skips it, ``--e2e-only`` runs only it):
+:mod:`rlalign_verl.diagnose.e2e_check` samples rollouts from a tiny local model with the installed engine
+(vLLM's CUDA build on CUDA), recomputes them with each region setting and the floor, and fails when all
+regions do not reach the floor's interval or are not below ``none`` (key ``e2e`` in the JSON).
 """
 
 from __future__ import annotations
@@ -648,7 +653,9 @@ def verdict(rows: list[Row]) -> list[str]:
                 f"{r.best[0]} matches {100 * r.best[1]:.3f}%"
             )
         elif r.profile == "triton" and own < 1.0:
-            problems.append(f"{r.region}/triton/{r.shape}: Triton kernel {100 * own:.3f}% identical to PyTorch")
+            problems.append(
+                f"{r.region}/triton/{r.shape}: Triton kernel {100 * own:.3f}% identical to PyTorch"
+            )
     return problems
 
 
@@ -710,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)"
     )
+    _add_e2e_args(parser)
     args = parser.parse_args(argv)
 
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
@@ -729,18 +737,25 @@ def main(argv: list[str] | None = None) -> int:
         print("development run on CPU against vLLM's CPU ops: these numbers do NOT verify the CUDA profiles")
     engines, unavailable = make_engines(profiles)
     if args.device == "cpu" and not args.plant and "vllm-eager" in engines:
-        del engines["vllm-eager"]  # vllm-cpu-eager runs forward_native norms/SiluAndMul, not these C++ kernels
-        unavailable["vllm-eager"] = "on CPU torch.ops._C's kernels are not what vllm-cpu-eager runs (forward_native)"
+        del engines[
+            "vllm-eager"
+        ]  # vllm-cpu-eager runs forward_native norms/SiluAndMul, not these C++ kernels
+        unavailable["vllm-eager"] = (
+            "on CPU torch.ops._C's kernels are not what vllm-cpu-eager runs (forward_native)"
+        )
     for name, why in unavailable.items():
         print(f"profile {name}: not checked ({why})")
     checked = _checked_profiles(list(engines), args.device, args.plant)
     with torch.no_grad():
-        rows = run_cases(engines, args.device, args.quick, args.seed, checked)
-        if args.device == "cuda":
+        rows = [] if args.e2e_only else run_cases(engines, args.device, args.quick, args.seed, checked)
+        if args.device == "cuda" and not args.e2e_only:
             rows += kernel_rows(args.device, args.quick, args.seed)
     print(format_table(rows))
     errors = sum(r.error is not None for r in rows)
-    problems = verdict(rows)
+    e2e = _e2e_step(args, profiles)
+    problems = ([] if args.e2e_only else verdict(rows)) + (e2e["problems"] if e2e else [])
+    if args.e2e_only and e2e is None:
+        problems.append("nothing was compared (--e2e-only without the vllm profile)")
     payload = {
         "verdict": "fail" if problems else "pass",
         "problems": problems,
@@ -754,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "errors": errors,
         "rows": [dataclasses.asdict(r) for r in rows],
+        "e2e": e2e,
     }
     _write_json(default_json_path(args.out), payload)
     print(f"{len(rows)} comparisons, {errors} errors, {payload['seconds']} s")
@@ -761,6 +777,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL {line}")
     print("verdict: " + ("FAIL" if problems else "pass"))
     return 1 if problems else 0
+
+
+def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("end-to-end step (the vllm profile, engine's default compiled mode)")
+    g.add_argument("--no-e2e", action="store_true", help="skip the end-to-end step")
+    g.add_argument("--e2e-only", action="store_true", help="run only the end-to-end step")
+    g.add_argument("--e2e-arch", default="qwen3", choices=("qwen2", "qwen3", "llama"))
+    g.add_argument("--e2e-prompts", type=int, default=16)
+    g.add_argument("--e2e-tokens", type=int, default=32)
+
+
+def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] | None:
+    """diagnose's pipeline on a tiny model (:mod:`rlalign_verl.diagnose.e2e_check`), or None when not run."""
+    if args.no_e2e or "vllm" not in profiles:
+        return None
+    from rlalign_verl.diagnose.e2e_check import run_e2e
+
+    profile = _checked_profiles(["vllm"], args.device, args.plant)["vllm"]
+    out_dir = default_json_path(args.out).parent / "e2e"
+    try:
+        e2e = run_e2e(args.device, profile, arch=args.e2e_arch, prompts=args.e2e_prompts,
+                      tokens=args.e2e_tokens, seed=args.seed, out_dir=out_dir)  # fmt: skip
+    except Exception as exc:  # a failed step is a miss, reported like a failed case
+        traceback.print_exc()
+        return {"profile": profile, "rows": {}, "problems": [f"e2e: {type(exc).__name__}: {exc}"]}
+    for label, row in e2e["rows"].items():
+        lo, hi = row["ci95"]["mismatch/logp_abs_diff_mean"]
+        print(
+            f"e2e {e2e['arch']} [{profile}] {label:<8} mean |dlogp| {row['mean_abs_dlogp']:.4f} [{lo:.4f}, {hi:.4f}]"
+        )
+    return e2e
 
 
 def _checked_profiles(engines: list[str], device: str, plant: str | None) -> dict[str, str]:

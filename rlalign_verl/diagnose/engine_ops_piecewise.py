@@ -28,6 +28,7 @@ class PiecewiseEngineFloor(EngineFloor):
                 "the piecewise floor covers dense models only; use EngineFloor for MoE models"
             )
         super().__init__(model, compiled=True)
+        self.cos_sin_cache = self.cos_sin_cache.to(model.device)  # the table lives where the model runs
 
         def comp(fn):  # one Inductor graph per piece, the CPU platform's options, token count dynamic
             return torch.compile(fn, backend="inductor", fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
@@ -79,7 +80,7 @@ class PiecewiseEngineFloor(EngineFloor):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, vocab]`` bf16 logits of one unpadded sequence of token ids ``[T]``."""
         ids = input_ids.reshape(-1).clone()
-        positions = torch.arange(ids.shape[0], dtype=torch.long)
+        positions = torch.arange(ids.shape[0], dtype=torch.long, device=ids.device)
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         layers = self.model.model.layers
