@@ -9,6 +9,7 @@ per instance with the patcher's own ``bind``, so removal restores them with ever
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,8 @@ def check_moe_config(
             f"{family.model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
             f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
         )
+    if profile.moe is not None and not profile.moe.verified and {"swiglu", "moe"} & set(regions):
+        check_unverified_opt_in(family.model_type, profile)
     for attr, plain in _ROUTER_ATTRS.items():
         value = getattr(config, attr, None)
         if value not in plain:
@@ -52,6 +55,21 @@ def check_moe_config(
                 f"routing only (no grouped top-k, sigmoid scoring or routed scaling); turn alignment off for "
                 f"this model"
             )
+
+
+UNVERIFIED_ENV = "RLALIGN_UNVERIFIED"
+"""Comma list of unverified profile data the user opts into (``moe``: an MoE rounding read from source)."""
+
+
+def check_unverified_opt_in(model_type: str, profile: EngineProfile) -> None:
+    """One-line error unless ``RLALIGN_UNVERIFIED`` names ``moe`` (the profile's MoE data is unverified)."""
+    opted = {v.strip().lower() for v in os.environ.get(UNVERIFIED_ENV, "").split(",")}
+    if "moe" not in opted:
+        raise UnsupportedModelError(
+            f"{model_type}: profile {profile.name}'s MoE rounding is read from source and UNVERIFIED (not yet run "
+            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU checks it); opt in with "
+            f"{UNVERIFIED_ENV}=moe in every worker's environment, or align only rope,rmsnorm"
+        )
 
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:

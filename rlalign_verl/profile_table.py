@@ -50,17 +50,21 @@ def stream_cell(p: EngineProfile) -> str:
 
 
 def moe_cell(p: EngineProfile) -> str:
-    """MoE experts/router/combine: ``as HF``, or ``refused`` for a profile without MoE facts."""
+    """MoE experts/router/combine: ``as HF``, the fields, or ``refused`` for a profile without MoE facts."""
     m = p.moe
     if m is None:
         return "refused (not established; swiglu/moe refused on MoE models)"
     if m == MoeRounding():
         return "as HF"
-    return (
+    combine = m.combine
+    if combine == "slot":
+        combine = f"R(w·d) per slot, slots summed in bf16 (top-k ≤ {m.slot_sum_bf16_max_k}; else fp32)"
+    text = (
         f"expert GEMMs {m.expert_gemm}, SwiGLU {_roundings(m.expert_act_roundings)}; router softmax over "
         f"{'top-k logits' if m.router_softmax == 'topk' else 'all experts'}, weights {m.weights_dtype}; "
-        f"combine {m.combine}"
+        f"combine {combine}"
     )
+    return text if m.verified else f"UNVERIFIED, opt-in `RLALIGN_UNVERIFIED=moe`: {text}"
 
 
 def _roundings(n: int) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import UnknownProfileError
+from .profiles_moe import CPU_FUSED_MOE, CPU_FUSED_MOE_COMPILED, CUDA_TRITON_MOE, MoeRounding
 
 
 class Residual(str, Enum):
@@ -94,48 +95,6 @@ class NormRounding:
     def __post_init__(self) -> None:
         if self.output_roundings not in (1, 2):
             raise ValueError(f"invalid NormRounding {self}")
-
-
-@dataclass(frozen=True)
-class MoeRounding:
-    """Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE).
-
-    Expert internals belong to the swiglu region: ``expert_gemm`` "bf16" = each expert's gate_up and
-    down GEMM output stored in bf16 (HF's per-expert ``F.linear``), "fp32" = kept fp32 with SwiGLU
-    applied to the fp32 GEMM output (a fused expert kernel); ``expert_act_roundings`` as
-    :class:`SwigluRounding`. Router and combine belong to the moe region: ``router_softmax`` "all" =
-    fp32 softmax over all experts, top-k of the probabilities, renormalised by division (HF); "topk" =
-    top-k of the logits, softmax over those k only. ``weights_dtype``: routing weights rounded to
-    "bf16" or kept "fp32". ``combine`` "bf16" = ``R(R(d_k) * w_k)`` added one expert at a time into a
-    bf16 buffer (HF's ``index_add_``); "fp32" = ``R(sum_k w_k * d_k)`` with fp32 ``d_k`` (one rounding).
-    """
-
-    expert_gemm: str = "bf16"
-    expert_act_roundings: int = 2
-    router_softmax: str = "all"
-    weights_dtype: str = "bf16"
-    combine: str = "bf16"
-
-    def __post_init__(self) -> None:
-        ok = (
-            self.expert_gemm in ("bf16", "fp32")
-            and self.expert_act_roundings in (1, 2)
-            and self.router_softmax in ("all", "topk")
-            and self.weights_dtype in ("bf16", "fp32")
-            and self.combine in ("bf16", "fp32")
-        )
-        if not ok:
-            raise ValueError(f"invalid MoeRounding {self}")
-
-
-# vLLM CPU: torch.ops._C.cpu_fused_moe (an opaque custom op on both execution paths) keeps both GEMM
-# outputs fp32, rounds silu(g)*u once, sums w_k*d_k in fp32; CPURouter._softmax_topk takes the top-k of
-# the bf16 logits and softmaxes those k. Eager: torch.softmax on bf16 rounds its output, then .float();
-# compiled: the router is inside the Inductor graph, which drops that bf16 round trip (weights stay fp32).
-CPU_FUSED_MOE = MoeRounding(
-    expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
-)
-CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32")
 
 
 @dataclass(frozen=True)
@@ -271,6 +230,7 @@ VLLM = EngineProfile(
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=1, mean=Mean.SUM_DIV_N),
     residual=Residual.AT_ATTENTION,
     qk_norm_rounded_before_rope=False,
+    moe=CUDA_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
     engine="vllm",
     device="cuda",
     verified=(
@@ -312,6 +272,7 @@ VLLM_EAGER = EngineProfile(
     norm=NormRounding(Source.ROUNDED_SUM, Source.ROUNDED_SUM, output_roundings=1, mean=Mean.SUM_DIV_N),
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
+    moe=CUDA_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
     engine="vllm",
     device="cuda",
     verified=(

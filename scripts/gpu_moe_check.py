@@ -4,11 +4,15 @@ Run on a CUDA machine with vLLM installed: ``python scripts/gpu_moe_check.py [--
 CUDA it prints one ``skipped`` line and exits 0. For each candidate rounding it prints the fraction of
 bit-identical outputs against the engine's ops (``fused_topk`` and ``fused_experts``):
 
-- ``cuda-doc``: what docs/moe.md reads from the source — bf16 w13 GEMM output, ``R(R(silu(g))*u)``, the w2
-  fp32 accumulator times the fp32 routing weight rounded per slot, slots summed in bf16 (``moe_sum``);
-- ``hf`` and ``cpu-fused``: the two roundings implemented in ``rlalign_verl.regions.moe``.
+- ``profile``: the vllm / vllm-eager profiles' ``MoeRounding`` (``CUDA_TRITON_MOE``, UNVERIFIED data read
+  from source: bf16 w13 GEMM output, ``R(R(silu(g))*u)``, ``R(w_k*d_k)`` per slot from the fp32 accumulator,
+  slots summed in bf16 up to top-k 4, fp32 router softmax over all experts, fp32 weights), and the same with
+  each field changed to its other value(s);
+- ``cuda-doc`` (an independent restatement of the same reading), ``hf`` and ``cpu-fused``.
 
-A CUDA ``MoeRounding`` is written only once ``cuda-doc`` is (near) 100% here.
+Exit 1 when a field misses: expert ids not identical, a one-field mutation closer to the engine than the
+profile, or the profile's experts below 99% bit-identical (top-k 2 and 8). Then the data must change before
+``verified`` is set.
 """
 
 from __future__ import annotations
@@ -35,41 +39,95 @@ def cuda_doc_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     return out
 
 
-def moe_rows(device: str = "cuda", seed: int = 0) -> dict[str, float]:
-    """``{candidate: fraction bit-identical}`` for the router weights and the experts' output."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
-
-    from rlalign_verl.profiles import HF, MoeRounding
-    from rlalign_verl.regions.moe import mix_experts, route
-
+def _inputs(device: str, seed: int, top_k: int):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    T, H, inter, E, K = 256, 1024, 512, 8, 2
+    T, H, inter, E = 256, 1024, 512, 16
     bf = torch.bfloat16
     x = torch.randn(T, H, generator=g).to(bf).to(device)
     gate_up = (torch.randn(E, 2 * inter, H, generator=g) * 0.03).to(bf).to(device)
     down = (torch.randn(E, H, inter, generator=g) * 0.03).to(bf).to(device)
     logits = (torch.randn(T, E, generator=g) * 2).to(bf).to(device)
-    w_eng, ids, _ = fused_topk(x, logits, K, True)
-    ours_w, ours_ids = route(logits, K, True, MoeRounding(router_softmax="all", weights_dtype="fp32"))
-    same_ids = torch.equal(ours_ids.sort(-1).values, ids.long().sort(-1).values)
-    w_ours_sorted = ours_w.gather(1, ours_ids.argsort(-1))
-    w_eng_sorted = w_eng.gather(1, ids.long().argsort(-1))
-    y_eng = fused_experts(x, gate_up, down, w_eng, ids)
-    rows = {
-        "router_ids_identical": float(same_ids),
-        "router_weights_fp32_softmax_all": (w_ours_sorted == w_eng_sorted).float().mean().item(),
-        "experts_cuda-doc": (cuda_doc_experts(x, gate_up, down, w_eng, ids) == y_eng).float().mean().item(),
-        "experts_hf": (mix_experts(x, ids.long(), w_eng.to(bf), gate_up, down, HF.moe) == y_eng)
-        .float()
-        .mean()
-        .item(),
-    }
-    from rlalign_verl.profiles import CPU_FUSED_MOE
+    return x, gate_up, down, logits
 
-    fused = mix_experts(x, ids.long(), w_eng, gate_up, down, CPU_FUSED_MOE)
-    rows["experts_cpu-fused"] = (fused == y_eng).float().mean().item()
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a == b).float().mean().item()
+
+
+def moe_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, float]:
+    """``{row: fraction bit-identical}``: the vllm profile's MoE rounding (and each one-field mutation of it)
+    vs vLLM's ``fused_topk`` (router) and Triton ``fused_experts`` (experts + combine)."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
+    from rlalign_verl.regions.moe import mix_experts, route
+
+    prof = get_profile("vllm").moe
+    x, gate_up, down, logits = _inputs(device, seed, top_k)
+    w_eng, ids, _ = fused_topk(x, logits, top_k, True)
+    order = ids.long().argsort(-1)
+    rows: dict[str, float] = {}
+    for name, r in (
+        ("profile", prof),
+        ("router_softmax=topk", dataclasses.replace(prof, router_softmax="topk")),
+    ):
+        w, i = route(logits, top_k, True, r)
+        rows[f"router_ids[{name}]"] = float(torch.equal(i.sort(-1).values, ids.long().sort(-1).values))
+        rows[f"router_weights[{name}]"] = _same(w.float().gather(1, i.argsort(-1)), w_eng.gather(1, order))
+    y_eng = fused_experts(x, gate_up, down, w_eng, ids)
+    for name, r in _mutations(prof, top_k).items():
+        w = w_eng if r.weights_dtype == "fp32" else w_eng.to(torch.bfloat16)
+        rows[f"experts[{name}]"] = _same(mix_experts(x, ids.long(), w, gate_up, down, r), y_eng)
+    rows["experts[hf]"] = _same(
+        mix_experts(x, ids.long(), w_eng.to(torch.bfloat16), gate_up, down, HF.moe), y_eng
+    )
+    rows["experts[cpu-fused]"] = _same(mix_experts(x, ids.long(), w_eng, gate_up, down, CPU_FUSED_MOE), y_eng)
+    rows["experts[cuda-doc]"] = _same(cuda_doc_experts(x, gate_up, down, w_eng, ids), y_eng)
     return rows
+
+
+def _mutations(prof, top_k: int) -> dict:
+    """The profile and each expert/combine field changed to its other value(s)."""
+    import dataclasses
+
+    out = {"profile": prof}
+    for field, values in (
+        ("expert_gemm", ("bf16", "fp32")),
+        ("expert_act_roundings", (1, 2)),
+        ("combine", ("bf16", "fp32", "slot")),
+    ):
+        for v in values:
+            if v != getattr(prof, field):
+                out[f"{field}={v}"] = dataclasses.replace(prof, **{field: v})
+    # the threshold that switches this top-k between the bf16 running sum and the fp32 sum (for two
+    # slots both give R(s_0 + s_1): the fp32 sum of two bf16 values is exact, so only top-k > 2 tells)
+    if top_k > 2:
+        flip = top_k if top_k > prof.slot_sum_bf16_max_k else top_k - 1
+        out[f"slot_sum_bf16_max_k={flip}"] = dataclasses.replace(prof, slot_sum_bf16_max_k=flip)
+    return out
+
+
+EXPERTS_MIN = (
+    0.99  # the GEMMs' accumulation order differs (Triton tiles vs torch); rounding points must match
+)
+
+
+def misses(rows: dict[str, float]) -> list[str]:
+    """The checks that fail: ids identical, weights and experts of the profile at least as close as every
+    one-field mutation, and experts >= EXPERTS_MIN bit-identical."""
+    out = []
+    if rows["router_ids[profile]"] != 1.0:
+        out.append("router: expert ids differ")
+    if rows["router_weights[profile]"] < rows["router_weights[router_softmax=topk]"]:
+        out.append("router: router_softmax=topk is closer")
+    ours = rows["experts[profile]"]
+    if ours < EXPERTS_MIN:
+        out.append(f"experts: {100 * ours:.3f}% < {100 * EXPERTS_MIN:.0f}% bit-identical")
+    out += [f"experts: {k} is closer" for k, v in rows.items() if k.startswith("experts[") and v > ours]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,13 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_moe_check: skipped: no CUDA device (run on a GPU machine with vLLM installed)")
         return 0
-    rows = moe_rows()
-    for name, frac in rows.items():
-        print(f"{name:<36} {100 * frac:8.3f}% bit-identical")
+    result, failed = {}, []
+    for top_k in (2, 8):  # 2: moe_sum's bf16 running sum; 8: above slot_sum_bf16_max_k (fp32 sum)
+        rows = moe_rows(top_k=top_k)
+        for name, frac in rows.items():
+            print(f"top-{top_k} {name:<44} {100 * frac:8.3f}% bit-identical")
+        result[f"top{top_k}"] = rows
+        failed += [f"top-{top_k} {m}" for m in misses(rows)]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+            json.dump({**result, "misses": failed}, f, indent=1)
+    for m in failed:
+        print(f"MISS {m}")
+    print(
+        "gpu_moe_check: "
+        + ("FAILED: the vllm profile's MoE rounding is not what the GPU does" if failed else "ok")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

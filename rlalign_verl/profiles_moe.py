@@ -1,0 +1,82 @@
+"""MoE rounding data (:class:`MoeRounding`) and the engine paths' values; re-exported by :mod:`.profiles`.
+
+Notation as in :mod:`.profiles`: ``R(.)`` rounds fp32 to bf16 (round-to-nearest-even).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+COMBINES = ("bf16", "fp32", "slot")
+
+
+@dataclass(frozen=True)
+class MoeRounding:
+    """Mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE).
+
+    Expert internals belong to the swiglu region: ``expert_gemm`` "bf16" = each expert's gate_up GEMM
+    output stored in bf16 (HF's per-expert ``F.linear``; its down GEMM output too, unless ``combine`` is
+    "slot"), "fp32" = kept fp32 with SwiGLU applied to the fp32 GEMM output (a fused expert kernel);
+    ``expert_act_roundings`` as :class:`~.profiles.SwigluRounding`. Router and combine belong to the moe
+    region: ``router_softmax`` "all" = fp32 softmax over all experts, top-k of the probabilities,
+    renormalised by division (HF); "topk" = top-k of the logits, softmax over those k only.
+    ``weights_dtype``: routing weights rounded to "bf16" or kept "fp32". ``combine`` "bf16" =
+    ``R(R(d_k) * w_k)`` added one expert at a time into a bf16 buffer (HF's ``index_add_``); "fp32" =
+    ``R(sum_k w_k * d_k)`` with fp32 ``d_k`` (one rounding); "slot" = ``R(w_k * d_k)`` per slot from the
+    down GEMM's fp32 accumulator, the slots then summed in slot order in bf16 (each add rounds) when
+    ``top_k <= slot_sum_bf16_max_k``, else in fp32 with one rounding.
+    ``verified``: False for data read from source and not yet checked against the engine's ops; such a
+    rounding is used only with the explicit opt-in ``RLALIGN_UNVERIFIED=moe`` (:mod:`..moe_patch`).
+    """
+
+    expert_gemm: str = "bf16"
+    expert_act_roundings: int = 2
+    router_softmax: str = "all"
+    weights_dtype: str = "bf16"
+    combine: str = "bf16"
+    slot_sum_bf16_max_k: int = 4
+    verified: bool = True
+
+    def __post_init__(self) -> None:
+        ok = (
+            self.expert_gemm in ("bf16", "fp32")
+            and self.expert_act_roundings in (1, 2)
+            and self.router_softmax in ("all", "topk")
+            and self.weights_dtype in ("bf16", "fp32")
+            and self.combine in COMBINES
+            and self.slot_sum_bf16_max_k >= 0
+        )
+        if not ok:
+            raise ValueError(f"invalid MoeRounding {self}")
+
+
+# vLLM CPU: torch.ops._C.cpu_fused_moe (an opaque custom op on both execution paths) keeps both GEMM
+# outputs fp32, rounds silu(g)*u once, sums w_k*d_k in fp32; CPURouter._softmax_topk takes the top-k of
+# the bf16 logits and softmaxes those k. Eager: torch.softmax on bf16 rounds its output, then .float();
+# compiled: the router is inside the Inductor graph, which drops that bf16 round trip (weights stay fp32).
+CPU_FUSED_MOE = MoeRounding(
+    expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
+)
+CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32")
+
+# vLLM CUDA, unquantized Triton path (both vllm and vllm-eager: the experts run inside the opaque
+# moe_forward op, so Inductor does not touch them). READ FROM SOURCE (vllm 0.31 line), NOT RUN ON A GPU:
+# - fused_moe/fused_moe.py::fused_moe_kernel: w13 GEMM fp32 accumulator stored as accumulator.to(
+#   compute_type) (bf16); w2 GEMM: MUL_ROUTED_WEIGHT multiplies the fp32 accumulator by the fp32 weight
+#   before the bf16 store, i.e. R(w_k * d_k) per slot;
+# - fused_moe/activation.py::apply_moe_activation -> torch.ops._C.silu_and_mul: R(R(silu(g)) * u);
+# - csrc/moe/moe_align_sum_kernels.cu::moe_sum: moe_sum_kernel<scalar_t, TOPK> for top-k 2..4 (a
+#   scalar_t running sum: each add rounds), default at::sum_out (fp32 accumulation, one rounding);
+# - fused_moe/router/fused_topk_router.py::fused_topk -> csrc/moe/topk_softmax_kernels.cu: fp32 softmax
+#   over all experts of the logits, top-k, fp32 renormalisation, fp32 weights.
+# scripts/gpu_moe_check.py checks each of these fields against the real ops on a GPU.
+CUDA_TRITON_MOE = MoeRounding(
+    expert_gemm="bf16",
+    expert_act_roundings=2,
+    router_softmax="all",
+    weights_dtype="fp32",
+    combine="slot",
+    slot_sum_bf16_max_k=4,
+    verified=False,
+)
