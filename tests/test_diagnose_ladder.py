@@ -74,16 +74,16 @@ def test_identical_rungs_say_no_change():
 def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
     three = ("rope", "swiglu", "rmsnorm")
     cpu = plan(get_profile("vllm-cpu"), "model")
-    assert [(r.name, regs) for r, regs, _ in cpu] == [
+    assert [(r.name, regs) for r, regs, _, _ in cpu] == [
         ("none", ()),
         ("rope+swiglu+rmsnorm", three),
         ("+ attention", (*three, "attention")),
         ("+ lm_head", None),
     ]
-    assert cpu[-1][2] == HEAD_NOTE and "--engine-head-dtype float32" in HEAD_NOTE
+    assert cpu[3][3] == HEAD_NOTE and "--engine-head-dtype float32" in HEAD_NOTE
     cuda = plan(get_profile("vllm"), "float32")
-    assert cuda[2][1] is None and "cannot be aligned to profile 'vllm'" in cuda[2][2]
-    assert cuda[3][1] == (*three, "lm_head") and cuda[3][2] is None
+    assert cuda[2][1] is None and "cannot be aligned to profile 'vllm'" in cuda[2][3]
+    assert cuda[3][1] == (*three, "lm_head") and cuda[3][3] is None
 
 
 def _header(extra=None) -> SimpleNamespace:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..regions import REGIONS
+from ..regions import OPT_IN_REGIONS, REGIONS
 from .stats import N_BOOT, prompt_groups
 
 
@@ -63,14 +63,21 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str) -> str | None:
     return None
 
 
-def plan(profile: Any, head_dtype: str) -> list[tuple[Rung, tuple[str, ...] | None, str | None]]:
-    """``[(rung, cumulative regions or None, skip reason)]`` in ladder order."""
-    out, have = [], ()
+Step = tuple[Rung, tuple[str, ...] | None, dict[str, Any], str | None]
+"""A planned rung: the rung, its cumulative regions (``None``: skipped), its options, why it is skipped."""
+
+
+def plan(profile: Any, head_dtype: str) -> list[Step]:
+    """``[(rung, cumulative regions or None, cumulative options, skip reason)]`` in ladder order."""
+    out: list[Step] = []
+    have: tuple[str, ...] = ()
+    opts: dict[str, Any] = {}
     for rung in LADDER:
         why = skip_reason(rung, profile, head_dtype)
         if why is None:
-            have = tuple(r for r in (*REGIONS, "moe", "attention", "lm_head") if r in {*have, *rung.adds})
-        out.append((rung, None if why else have, why))
+            have = tuple(r for r in REGIONS + OPT_IN_REGIONS if r in {*have, *rung.adds})
+            opts = {**opts, **rung.options}
+        out.append((rung, None if why else have, dict(opts), why))
     return out
 
 
@@ -182,18 +189,16 @@ def run_ladder(hf: Any, s: Any, head: tuple[str, str], seed: int, known: dict[st
     from .options import label
 
     steps, names, values = plan(s.profile, head[0]), [], []
-    for rung, regions, why in steps:
+    for rung, regions, opts, why in steps:
         if why is None:
-            lab = label(regions)
-            got = known.get(lab) if not rung.options else None
-            values.append(got if got is not None else _recompute(hf, s, regions, rung.options, head[0], seed))
+            got = None if opts else known.get(label(regions))
+            values.append(got if got is not None else _recompute(hf, s, regions, opts, head[0], seed))
             names.append(rung.name)
     measured = iter(ladder_rows(names, values, *rollout_layout(s.rollouts), seed=seed))
     rows = []
-    for rung, regions, why in steps:
-        rows.append(
-            {"rung": rung.name, "skipped": why} if why else {**next(measured), "regions": list(regions)}
-        )
+    for rung, regions, opts, why in steps:
+        row = {**next(measured), "regions": list(regions), "options": opts} if why is None else None
+        rows.append(row or {"rung": rung.name, "skipped": why})
     return {"head_dtype": head[0], "head_dtype_from": head[1], "rows": rows}
 
 
