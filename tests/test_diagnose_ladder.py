@@ -29,7 +29,7 @@ def test_share_is_what_the_rung_removes_of_what_the_previous_left():
     assert rows[1]["mean"] == pytest.approx(0.075, abs=1e-15)
     assert rows[1]["share"] == pytest.approx(0.75, abs=1e-12)
     assert rows[1]["share_ci95"] == pytest.approx([0.75, 0.75], abs=1e-12)
-    assert rows[1]["share_text"] == "removes 75.0% [75.0%, 75.0%] of what the previous rung left"
+    assert rows[1]["share_text"] == "removes 75% [75%, 75%] of what the previous rung left"
     assert rows[0]["ci95"][0] <= 0.3 <= rows[0]["ci95"][1]
 
 
@@ -37,7 +37,7 @@ def test_a_rung_that_makes_it_worse_says_adds():
     # 0.1 -> 0.15 on both prompts: share (0.1-0.15)/0.1 = -0.5
     rows = ladder_rows(["a", "b"], [[0.1, 0.1], [0.15, 0.15]], [1, 1], [0, 1])
     assert rows[1]["share"] == pytest.approx(-0.5, abs=1e-12)
-    assert rows[1]["share_text"].startswith("adds 50.0% [50.0%, 50.0%]")
+    assert rows[1]["share_text"].startswith("adds 50% [50%, 50%]")
 
 
 def test_share_inside_the_noise_is_not_claimed():
@@ -62,8 +62,14 @@ def test_exact_zero_counts_and_statements():
     assert [r["exact_zero"] for r in rows] == [1, 3, 4, 4] and all(r["tokens"] == 4 for r in rows)
     assert "exactly_zero" not in rows[0] and "exactly_zero" not in rows[1]
     assert rows[2]["exactly_zero"] == "gap is exactly zero (4/4 tokens with Δlogp = 0)"
-    assert rows[2]["share"] == 1.0 and rows[2]["share_text"].startswith("removes 100.0%")
+    assert rows[2]["share"] == 1.0 and rows[2]["share_text"].startswith("removes 100% [100%, 100%]")
     assert rows[3]["share"] is None and rows[3]["share_text"].startswith("nothing left to remove")
+
+
+def test_a_share_just_short_of_all_is_not_rounded_to_all():
+    # 1.0 -> 0.0001 on both prompts: share 0.9999, shown as 99.99%
+    rows = ladder_rows(["a", "b"], [[1.0, 1.0], [1e-4, 1e-4]], [1, 1], [0, 1])
+    assert rows[1]["share_text"].startswith("removes 99.99% [99.99%, 99.99%]")
 
 
 def test_identical_rungs_say_no_change():

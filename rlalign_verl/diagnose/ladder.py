@@ -108,6 +108,11 @@ def _quantiles(x: torch.Tensor) -> list[float]:
     return torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
 
 
+def _pct(x: float) -> str:
+    """A share in percent with 4 significant digits (99.99% stays distinct from 100%)."""
+    return f"{100 * x:.4g}%"
+
+
 def share_statement(share: float | None, ci: list[float] | None, prev_mean: float, same: bool) -> str:
     """The words for a rung's share of what the previous rung left."""
     if prev_mean == 0:
@@ -116,9 +121,9 @@ def share_statement(share: float | None, ci: list[float] | None, prev_mean: floa
         return "no change (every token's Δlogp is identical to the previous rung's)"
     assert share is not None and ci is not None
     if ci[0] <= 0 <= ci[1]:
-        return f"within noise (95% interval of the share [{100 * ci[0]:.0f}%, {100 * ci[1]:.0f}%] holds 0)"
+        return f"within noise (95% interval of the share [{_pct(ci[0])}, {_pct(ci[1])}] holds 0)"
     verb, lo, hi = ("removes", ci[0], ci[1]) if share > 0 else ("adds", -ci[1], -ci[0])
-    return f"{verb} {100 * abs(share):.1f}% [{100 * lo:.1f}%, {100 * hi:.1f}%] of what the previous rung left"
+    return f"{verb} {_pct(abs(share))} [{_pct(lo)}, {_pct(hi)}] of what the previous rung left"
 
 
 def ladder_rows(
