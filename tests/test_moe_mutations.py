@@ -1,0 +1,184 @@
+"""Mutation check of the MoE fields: every ``MoeRounding`` field of every profile that has one, every other value.
+
+A one-layer tiny Qwen3-MoE (8 experts, top-2, ``norm_topk_prob`` both ways) is aligned with the mutated
+profile (regions swiglu + moe). The router's weights and the experts' combined output are recorded and
+checked against a reference of the *original* profile written here from the ``MoeRounding`` spec: float64
+math with explicit ``R()`` (bf16) and ``F()`` (fp32) at the spec's rounding points, teacher-forced with the
+run's own router logits and expert choices. The original must pass; each mutant must fail a check.
+
+With ``norm_topk_prob=False`` all 15 mutations (hf, vllm-cpu, vllm-cpu-eager x 5 fields) are killed. With
+``norm_topk_prob=True`` ``router_softmax`` survives: the renormalised top-k of the full softmax and the softmax
+over the top k are the same number, and the two differ only in the last fp32 bits (below a bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.profiles import PROFILES
+
+BF, F64 = torch.bfloat16, torch.float64
+H, INTER, E, K, T = 64, 32, 8, 2, 96
+TOLERANCE = 0.003  # float64 vs fp32 math: a few last-bit flips per thousand bf16 outputs at most
+VALUES = {
+    "expert_gemm": ("bf16", "fp32"), "expert_act_roundings": (1, 2), "router_softmax": ("all", "topk"),
+    "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32"),
+}  # fmt: skip
+
+
+def R(x: torch.Tensor) -> torch.Tensor:
+    """Stored in bf16 (from float64 math, through fp32 as an fp32 kernel rounds)."""
+    return x.to(torch.float32).to(BF).to(F64)
+
+
+def F(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 result."""
+    return x.to(torch.float32).to(F64)
+
+
+def lse_bf16_ops(x: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` as bf16 eager ops run it: max, exp(x - max), sum, log, + max, each output stored in bf16."""
+    m = x.amax(-1, keepdim=True)
+    return R(R(torch.log(R(R(torch.exp(R(x - m))).sum(-1, keepdim=True)))) + m)
+
+
+def ref_weights(logits: torch.Tensor, idx: torch.Tensor, renorm: bool, m) -> torch.Tensor:
+    """Routing weights of the chosen experts ``idx`` from bf16 ``logits`` (float64 values), per spec."""
+    if m.router_softmax == "all":  # fp32 softmax over all experts, top-k of it, renormalised by division
+        w = F(torch.softmax(logits, -1)).gather(-1, idx)
+        w = F(w / F(w.sum(-1, keepdim=True))) if renorm else w
+    elif renorm:  # softmax over the k chosen logits only
+        w = F(torch.softmax(logits.gather(-1, idx), -1))
+    elif m.weights_dtype == "bf16":  # eager bf16 ops: exp(v - logsumexp), each op's output stored in bf16
+        w = R(torch.exp(R(logits.gather(-1, idx) - lse_bf16_ops(logits))))
+    else:  # compiled: only the logsumexp reduction is stored (bf16), the rest stays fp32
+        w = F(torch.exp(logits.gather(-1, idx) - R(torch.logsumexp(logits, -1, keepdim=True))))
+    return R(w) if m.weights_dtype == "bf16" else w
+
+
+def ref_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m) -> torch.Tensor:
+    """One expert ``down(silu(g) * u)``: GEMM outputs stored in bf16, or kept fp32 (fused kernel)."""
+    store = R if m.expert_gemm == "bf16" else F
+    g, u = store(x @ gate_up.T).chunk(2, -1)
+    silu = F(g / (1.0 + torch.exp(-g)))
+    act = R(R(silu) * u) if m.expert_act_roundings == 2 else R(silu * u)
+    return store(act @ down.T)
+
+
+def ref_combine(x, idx, w, gate_up, down, m) -> torch.Tensor:
+    """``sum_k w_k d_k``: bf16 running sum of rounded products (experts ascending), or fp32 then one rounding."""
+    out = torch.zeros(x.shape, dtype=F64)
+    for e in range(E):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        d, we = ref_expert(x[tok], gate_up[e], down[e], m), w[tok, slot, None]
+        out[tok] = R(out[tok] + R(R(d) * R(we))) if m.combine == "bf16" else F(out[tok] + F(d * we))
+    return R(out)
+
+
+def build(renorm: bool) -> torch.nn.Module:
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=INTER, intermediate_size=64, num_experts=E, num_experts_per_tok=K,
+        norm_topk_prob=renorm, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=BF)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if "gate.weight" in name else 0.1) if p.dim() > 1 else p.normal_(1.0, 0.2)
+    return model.eval()
+
+
+def capture(model, profile) -> dict:
+    """Run ``model`` aligned (swiglu + moe) to ``profile``; record the router and the experts' I/O."""
+    mlp = model.model.layers[0].mlp
+    rec: dict = {}
+    hooks = [
+        mlp.gate.register_forward_hook(lambda m, a, o: rec.update(logits=o[0], weights=o[1], idx=o[2])),
+        mlp.experts.register_forward_hook(lambda m, a, o: rec.update(x=a[0], w_in=a[2], out=o)),
+    ]
+    try:
+        apply_alignment(model, regions=("swiglu", "moe"), engine=profile)
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1)))
+    finally:
+        for h in hooks:
+            h.remove()
+        remove_alignment(model)
+    return rec
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, ulps: int = 0) -> float:
+    """Fraction of elements that differ (by more than ``ulps`` fp32 units in the last place)."""
+    return float(((got.to(F64) - want).abs() > ulps * 2.0**-23 * want.abs()).float().mean())
+
+
+def failed_checks(model, rec: dict, m) -> list[str]:
+    """The checks where the run ``rec`` disagrees with the reference of ``MoeRounding`` ``m``."""
+    ex, d = model.model.layers[0].mlp.experts, lambda t: t.detach().to(F64)
+    renorm = model.config.norm_topk_prob
+    bad = []
+    want_w = ref_weights(d(rec["logits"]), rec["idx"], renorm, m)
+    if rec["weights"].dtype != (BF if m.weights_dtype == "bf16" else torch.float32):
+        bad.append("router/dtype")
+    # fp32 weights: torch's fp32 exp/softmax vs float64-then-round differ in the last fp32 bits (not a rounding
+    # location); 4 fp32 ulps is far below what a misplaced bf16 rounding moves (2**-9 relative)
+    if mismatch(rec["weights"], want_w, ulps=0 if m.weights_dtype == "bf16" else 4) > TOLERANCE:
+        bad.append("router/weights")
+    want = ref_combine(d(rec["x"]), rec["idx"], d(rec["w_in"]), d(ex.gate_up_proj), d(ex.down_proj), m)
+    if mismatch(rec["out"], want) > TOLERANCE:
+        bad.append("experts/combine")
+    return bad
+
+
+def moe_mutations(moe) -> list[tuple[str, object]]:
+    """``(field=value, mutated MoeRounding)`` for every other allowed value of every MoE field."""
+    return [
+        (f"{f}={v}", dataclasses.replace(moe, **{f: v}))
+        for f, values in VALUES.items()
+        for v in values
+        if v != getattr(moe, f)
+    ]
+
+
+def test_values_cover_every_moe_field() -> None:
+    from rlalign_verl.profiles import MoeRounding
+
+    assert set(VALUES) == {f.name for f in dataclasses.fields(MoeRounding)}
+    for f, values in VALUES.items():  # each listed value is allowed, and nothing else is
+        for v in values:
+            MoeRounding(**{f: v})
+        with pytest.raises(ValueError):
+            MoeRounding(**{f: "other"})
+
+
+@pytest.mark.parametrize("renorm", [False, True], ids=["norm_topk_prob=False", "norm_topk_prob=True"])
+def test_every_moe_mutation_is_killed(renorm: bool, capsys) -> None:
+    model = build(renorm)
+    total, survivors, killed_by = 0, [], {}
+    for name, p in PROFILES.items():
+        if p.moe is None:
+            continue
+        assert failed_checks(model, capture(model, p), p.moe) == [], f"{name}: the original must pass"
+        for label, moe in moe_mutations(p.moe):
+            total += 1
+            bad = failed_checks(model, capture(model, dataclasses.replace(p, moe=moe)), p.moe)
+            killed_by[f"{name}:{label}"] = bad
+            if not bad:
+                survivors.append(f"{name}:{label}")
+    with capsys.disabled():
+        print(
+            f"\n[moe mutations, norm_topk_prob={renorm}] killed {total - len(survivors)}/{total}; survivors {survivors}"
+        )
+    assert total == 15  # hf, vllm-cpu, vllm-cpu-eager x 5 fields
+    if renorm:  # the softmax over the top k equals the renormalised full softmax: only its fp32 bits differ
+        assert all(s.split(":")[1].startswith("router_softmax") for s in survivors), survivors
+    else:
+        assert survivors == [], survivors
