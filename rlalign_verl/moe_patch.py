@@ -21,7 +21,7 @@ from .profiles import HF, PROFILES, EngineProfile, MoeRounding
 from .regions.moe import mix_experts, route
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
-_ROUTER_FIELDS = ("router_softmax", "weights_dtype", "combine")
+_ROUTER_FIELDS = ("router_softmax", "weights_dtype", "combine", "slot_sum_bf16_max_k")
 
 # config attributes of routers this alignment does not mirror, with the value that means "plain softmax top-k"
 _ROUTER_ATTRS = {

