@@ -37,6 +37,8 @@ End-to-end step (when ``vllm`` is among ``--profiles``; ``--no-e2e`` skips it, `
 :mod:`rlalign_verl.diagnose.e2e_check` samples rollouts from a tiny local model with the installed engine
 (vLLM's CUDA build on CUDA), recomputes them with each region setting and the floor, and fails when all
 regions do not reach the floor's interval or are not below ``none`` (key ``e2e`` in the JSON).
+On CUDA it also runs ``scripts/gpu_moe_check.py``'s rows (vLLM's fused MoE router and experts vs the
+``vllm`` profile's MoE data, top-k 2 and 8; key ``moe``); each of its misses is a problem.
 """
 
 from __future__ import annotations
@@ -753,7 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     errors = sum(r.error is not None for r in rows)
     e2e = _e2e_step(args, profiles)
+    moe = None if args.e2e_only else _moe_step(args.device)
     problems = ([] if args.e2e_only else verdict(rows)) + (e2e["problems"] if e2e else [])
+    problems += moe["misses"] if moe else []
     if args.e2e_only and e2e is None:
         problems.append("nothing was compared (--e2e-only without the vllm profile)")
     payload = {
@@ -770,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "rows": [dataclasses.asdict(r) for r in rows],
         "e2e": e2e,
+        "moe": moe,
     }
     _write_json(default_json_path(args.out), payload)
     print(f"{len(rows)} comparisons, {errors} errors, {payload['seconds']} s")
@@ -808,6 +813,31 @@ def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] |
             f"e2e {e2e['arch']} [{profile}] {label:<8} mean |dlogp| {row['mean_abs_dlogp']:.4f} [{lo:.4f}, {hi:.4f}]"
         )
     return e2e
+
+
+def _moe_step(device: str) -> dict[str, Any] | None:
+    """scripts/gpu_moe_check.py's rows and misses at top-k 2 and 8 (CUDA only: it runs vLLM's fused MoE ops)."""
+    if device != "cuda":
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "gpu_moe_check", Path(__file__).with_name("gpu_moe_check.py")
+    )
+    assert spec is not None and spec.loader is not None
+    moe_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe_check)
+    result: dict[str, Any] = {"misses": []}
+    for top_k in (2, 8):
+        try:
+            rows = moe_check.moe_rows(device, top_k=top_k)
+        except Exception as exc:  # a step that cannot run is a miss, reported like a failed case
+            traceback.print_exc()
+            result["misses"].append(f"moe top-{top_k}: {type(exc).__name__}: {exc}")
+            continue
+        result[f"top{top_k}"] = rows
+        result["misses"] += [f"moe top-{top_k}: {m}" for m in moe_check.misses(rows)]
+        for name, frac in rows.items():
+            print(f"moe top-{top_k} {name:<44} {100 * frac:8.3f}% bit-identical")
+    return result
 
 
 def _checked_profiles(engines: list[str], device: str, plant: str | None) -> dict[str, str]:

@@ -221,3 +221,16 @@ def test_e2e_step_on_cpu_passes_and_fails_on_a_planted_profile(tmp_path: Path) -
     planted = json.loads((tmp_path / "planted.json").read_text())
     assert proc.returncode == 1 and planted["verdict"] == "fail"
     assert any("does not reach the floor" in p for p in planted["problems"]), planted["problems"]
+
+
+def test_moe_step_calls_gpu_moe_check() -> None:
+    """The MoE step runs only on CUDA and calls gpu_moe_check.py's moe_rows/misses (their signatures pinned)."""
+    import inspect
+
+    assert check._moe_step("cpu") is None
+    spec = importlib.util.spec_from_file_location("gpu_moe_check", ROOT / "scripts" / "gpu_moe_check.py")
+    moe_check = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(moe_check)
+    assert list(inspect.signature(moe_check.moe_rows).parameters) == ["device", "seed", "top_k"]
+    assert list(inspect.signature(moe_check.misses).parameters) == ["rows"]
