@@ -85,7 +85,12 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
         ("rope+swiglu+rmsnorm", three),
         ("+ attention", (*three, "attention")),
         ("+ lm_head", None),
+        ("+ engine-compiled norm", (*three, "attention")),
     ]
+    assert cpu[4][2] == {"compiled_norm": True} and cpu[2][2] == {}
+    eager = plan(get_profile("vllm-cpu-eager"), "float32")
+    assert eager[3][1] == (*three, "attention", "lm_head") and eager[4][1] is None
+    assert "does not compile its norms" in eager[4][3]
     assert cpu[3][3] == HEAD_NOTE and "--engine-head-dtype float32" in HEAD_NOTE
     cuda = plan(get_profile("vllm"), "float32")
     assert cuda[2][1] is None and "cannot be aligned to profile 'vllm'" in cuda[2][3]
@@ -150,11 +155,13 @@ def test_ladder_on_engine_rollouts(engine_rollouts, tmp_path, capsys):
     assert cli_main([*argv, "--settings", "none,all", "--no-probe", "--no-plots", "--no-floor"]) == 0
     res = json.loads((out / "diagnose.json").read_text())
     rows = res["ladder"]["rows"]
-    assert [r["rung"] for r in rows] == ["none", "rope+swiglu+rmsnorm", "+ attention", "+ lm_head"]
+    names = ["none", "rope+swiglu+rmsnorm", "+ attention", "+ lm_head", "+ engine-compiled norm"]
+    assert [r["rung"] for r in rows] == names
     assert rows[0]["mean"] == pytest.approx(res["settings"]["none"][MEAN], rel=1e-5)
     assert rows[1]["mean"] == pytest.approx(res["settings"]["all"][MEAN], rel=1e-5)
     assert rows[0]["tokens"] == 32 * 32
     assert rows[2]["exact_zero"] > rows[1]["exact_zero"] and rows[2]["mean"] < rows[1]["mean"]
     assert rows[3] == {"rung": "+ lm_head", "skipped": HEAD_NOTE}
+    assert "does not compile its norms" in rows[4]["skipped"]  # the eager path
     assert res["engine"]["head_dtype"] == "model"
     assert "attribution ladder" in capsys.readouterr().out

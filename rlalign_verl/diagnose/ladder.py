@@ -29,7 +29,8 @@ class Rung:
     name: str
     adds: tuple[str, ...]
     needs: str | None = None
-    """``"attention"``: a profile whose attention is reproduced; ``"fp32-head"``: an engine fp32 head."""
+    """``"attention"``: a profile whose attention is reproduced; ``"fp32-head"``: an engine fp32 head;
+    ``"compiled-norm"``: a profile whose norms the engine compiles with Inductor (``norm_inductor``)."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -38,8 +39,9 @@ LADDER: tuple[Rung, ...] = (
     Rung("rope+swiglu+rmsnorm", REGIONS),
     Rung("+ attention", ("attention",), needs="attention"),
     Rung("+ lm_head", ("lm_head",), needs="fp32-head"),
+    Rung("+ engine-compiled norm", (), needs="compiled-norm", options={"compiled_norm": True}),
 )
-"""The rungs in order; the engine-compiled norm rung is added here as one row once it exists."""
+"""The rungs in order (issue 12: none -> three regions -> + attention -> + lm_head -> + engine-compiled norm)."""
 
 HEAD_NOTE = (
     "the engine's head is bf16 (the model dtype), which HF's head already computes: lm_head changes nothing "
@@ -60,6 +62,8 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str) -> str | None:
             return str(e)
     if rung.needs == "fp32-head" and head_dtype != "float32":
         return HEAD_NOTE
+    if rung.needs == "compiled-norm" and not profile.norm_inductor:
+        return f"profile {profile.name} does not compile its norms with Inductor: the rmsnorm region already mirrors them"
     return None
 
 
