@@ -1,7 +1,8 @@
 """Held-out exactness check (step 2: trainer side): HF + apply_alignment vs the engine's saved raw logits.
 
 Usage: python benchmarks/heldout_cmp.py ARCH eager|compiled bf16|fp32 none rope+swiglu+rmsnorm+attention[@sdpa-fp32] ...
-(a ``compiled_norm`` item in a setting turns on ``apply_alignment(compiled_norm=True)``).
+(a ``compiled_norm`` / ``compile`` item in a setting turns on ``apply_alignment(compiled_norm=True)`` /
+``compile=True``).
 Prints per setting: tokens with delta-logp exactly 0, mean |delta-logp|, logit rows bit-identical to the engine's.
 """
 
@@ -54,10 +55,11 @@ if __name__ == "__main__":
     for spec in sys.argv[4:]:
         regs, _, var = spec.partition("@")
         items = [x for x in regs.split("+") if x and x != "none"]
-        regions = [x for x in items if x != "compiled_norm"]
+        regions = [x for x in items if x not in ("compiled_norm", "compile")]
         kw = {"attention": var} if var else {}
-        if "compiled_norm" in items:
-            kw["compiled_norm"] = True
+        for opt in ("compiled_norm", "compile"):
+            if opt in items:
+                kw[opt] = True
         if head == "bf16":
             kw["head_dtype"] = "model"
         run(arch, mode, head, regions, eng, **kw)

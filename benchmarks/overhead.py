@@ -408,6 +408,13 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
             lambda a, r, ww: c.add_rms_norm(a, r, ww, 1e-6, round_residual=True), h, res, w
         )
         cases["rope"]["compiled"] = fwd_bwd(lambda a, b: c.apply_rope(a, b, tcos, tsin), q, k)
+        if p.norm_inductor:  # compiled_norm: the forward compiled as the engine compiles it (inductor_norm)
+            from rlalign_verl.regions.inductor_norm import inductor_norms
+
+            c_add = inductor_norms(p)[1]
+            cases["add+rmsnorm"]["cnorm"] = fwd_bwd(
+                lambda a, r, ww: c_add(a, r, ww, 1e-6, p.norm, round_residual=True, index=2), h, res, w
+            )
     return cases
 
 
