@@ -55,8 +55,9 @@ def moe_model_type(argv: Sequence[str]) -> str | None:
     return family.model_type if family is not None and family.experts is not None else None
 
 
-def check_moe_parallel(regions: Sequence[str], argv: Sequence[str]) -> None:
-    """One-line error for expert parallel (swiglu/moe) or vLLM tensor parallel (moe) on an MoE model."""
+def check_moe_parallel(regions: Sequence[str], argv: Sequence[str], profile: str | None = None) -> None:
+    """One-line error for expert parallel (swiglu/moe) or vLLM tensor parallel (moe) on an MoE model, and
+    for ``profile``'s unverified MoE data without the opt-in (checked here, before Ray, as in the workers)."""
     aligned = {"swiglu", "moe"} & set(regions)
     if not aligned:
         return
@@ -76,3 +77,10 @@ def check_moe_parallel(regions: Sequence[str], argv: Sequence[str]) -> None:
             f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
             f"({SUPPORTED}); use --vllm.tensor_parallel_size 1 or drop moe from --alignment.regions"
         )
+    if profile is not None:
+        from ..moe_patch import check_unverified_opt_in
+        from ..profiles import get_profile
+
+        prof = get_profile(profile)
+        if prof.moe is not None and not prof.moe.verified:
+            check_unverified_opt_in(model_type, prof)

@@ -226,7 +226,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     check_liger(regions, rest)
     check_opt_in(regions, profile)
-    check_moe_parallel(regions, rest)
+    check_moe_parallel(regions, rest, profile)
     settings = Settings(
         regions=regions,
         profile=profile,

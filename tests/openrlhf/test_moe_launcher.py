@@ -71,6 +71,7 @@ GOOD = {
 def test_supported_settings_pass(case, tmp_path, monkeypatch):
     model_type, regions, extra = GOOD[case]
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
+    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")  # the default vllm profile's MoE data is unverified
     path = _model(tmp_path, model_type) if model_type else "Qwen/Qwen3-30B-A3B"
     opts = parse_launcher_args(["--alignment.regions", regions, "--actor.model_name_or_path", path, *extra])
     assert opts.openrlhf_argv[-len(extra) :] == extra
@@ -81,3 +82,25 @@ def test_openrlhf_declares_no_expert_parallel_flag():
     installed = flags.installed_flags()
     assert installed and "--vllm.tensor_parallel_size" in installed
     assert not [f for f in installed if "expert_parallel" in f]
+
+
+def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monkeypatch):
+    """vllm's MoE rounding is read from source (verified=False): refused before Ray without
+    RLALIGN_UNVERIFIED=moe; with it the launcher passes and forwards the opt-in to every Ray worker."""
+    import ray
+
+    from rlalign_verl.openrlhf.train_ppo_ray import runtime_env
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite a bad setting"))
+    monkeypatch.delenv("RLALIGN_UNVERIFIED", raising=False)
+    argv = ["--alignment.regions", "all", "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--vllm.num_engines", "1"])
+    assert info.value.code == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert "UNVERIFIED" in line and "RLALIGN_UNVERIFIED=moe" in line and "gpu_moe_check.py" in line
+    assert parse_launcher_args(["--alignment.regions", "rope,rmsnorm", *argv[2:]])  # dense regions: no opt-in
+    assert parse_launcher_args([*argv, "--alignment.engine", "vllm-cpu"])  # verified CPU data: no opt-in
+    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
+    opts = parse_launcher_args(argv)
+    assert runtime_env(opts.settings)["env_vars"]["RLALIGN_UNVERIFIED"] == "moe"
