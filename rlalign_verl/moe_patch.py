@@ -45,8 +45,7 @@ def check_moe_config(
             f"{family.model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
             f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
         )
-    if profile.moe is not None and not profile.moe.verified and {"swiglu", "moe"} & set(regions):
-        check_unverified_opt_in(family.model_type, profile)
+    check_unverified(family.model_type, profile, regions)
     for attr, plain in _ROUTER_ATTRS.items():
         value = getattr(config, attr, None)
         if value not in plain:
@@ -70,6 +69,12 @@ def check_unverified_opt_in(model_type: str, profile: EngineProfile) -> None:
             f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU checks it); opt in with "
             f"{UNVERIFIED_ENV}=moe in every worker's environment, or align only rope,rmsnorm"
         )
+
+
+def check_unverified(model_type: str, profile: EngineProfile, regions: tuple[str, ...]) -> None:
+    """The opt-in check where it applies: swiglu/moe aligned with a profile whose MoE data is unverified."""
+    if profile.moe is not None and not profile.moe.verified and {"swiglu", "moe"} & set(regions):
+        check_unverified_opt_in(model_type, profile)
 
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:

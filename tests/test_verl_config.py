@@ -64,8 +64,15 @@ def qwen2_path(tiny_checkpoint) -> str:
 @pytest.mark.parametrize("regions_arg,expected", REGION_CASES, ids=["rope", "all", "none"])
 def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
     cfg = _resolved(composer(f"alignment.regions={regions_arg}", "actor_rollout_ref.rollout.name=vllm"))
-    assert cfg["alignment"] == {"regions": expected, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch",
-                                   "attention": "engine-op", "head_dtype": "float32"}
+    assert cfg["alignment"] == {
+        "regions": expected,
+        "engine": "auto",
+        "metrics": True,
+        "compile": False,
+        "kernels": "torch",
+        "attention": "engine-op",
+        "head_dtype": "float32",
+    }
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
     assert cfg["critic"]["model"]["override_config"] == {}
@@ -136,8 +143,15 @@ def test_cfg_job_subprocess():
         )
         expected += [want, want]
     for cfg, want in zip(_cfg_job_runs(runs), expected, strict=True):
-        assert cfg["alignment"] == {"regions": want, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch",
-                                    "attention": "engine-op", "head_dtype": "float32"}
+        assert cfg["alignment"] == {
+            "regions": want,
+            "engine": "auto",
+            "metrics": True,
+            "compile": False,
+            "kernels": "torch",
+            "attention": "engine-op",
+            "head_dtype": "float32",
+        }
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,
             "rlalign_engine": "auto",
@@ -226,7 +240,9 @@ def test_resolve_from_config_auto_and_explicit():
         "alignment.regions is empty: alignment off (profile would be vllm)",
     )
     # a baseline run still names the profile the workers would use (not "auto")
-    assert resolve_alignment_config(compose_ours(vllm), on_cuda=False)[2].endswith("(profile would be vllm-cpu)")
+    assert resolve_alignment_config(compose_ours(vllm), on_cuda=False)[2].endswith(
+        "(profile would be vllm-cpu)"
+    )
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -245,7 +261,12 @@ def test_validate_writes_resolved_settings_for_workers(qwen2_path):
     cfg = _valid(qwen2_path)
     assert validate_config(cfg, on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
     override = _resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_engine_auto": True, "rlalign_rollout": "vllm"}
+    assert override == {
+        "rlalign_regions": ["rope", "swiglu"],
+        "rlalign_engine": "vllm-cpu",
+        "rlalign_engine_auto": True,
+        "rlalign_rollout": "vllm",
+    }
     assert _resolved(cfg)["critic"]["model"]["override_config"] == {}
 
 
@@ -321,8 +342,22 @@ def test_validate_accepts_moe_and_rejects_expert_parallel(tmp_path, model_type):
             f"actor_rollout_ref.model.path={tmp_path}")  # fmt: skip
     assert validate_config(compose_ours(*args), on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
     with pytest.raises(AlignmentError, match=r"expert_parallel_size=4: .*expert_parallel_size=1") as err:
-        validate_config(compose_ours(*args, "actor_rollout_ref.rollout.expert_parallel_size=4"), on_cuda=False)
+        validate_config(
+            compose_ours(*args, "actor_rollout_ref.rollout.expert_parallel_size=4"), on_cuda=False
+        )
     assert "\n" not in str(err.value)
+
+
+def test_validate_refuses_unverified_cuda_moe_data_without_the_opt_in(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    args = ("alignment.regions=[rope,swiglu]", "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={tmp_path}")  # fmt: skip
+    monkeypatch.delenv("RLALIGN_UNVERIFIED", raising=False)
+    with pytest.raises(UnsupportedModelError, match="RLALIGN_UNVERIFIED=moe") as err:
+        validate_config(compose_ours(*args), on_cuda=True)  # the vllm profile on CUDA
+    assert "\n" not in str(err.value) and "gpu_moe_check.py" in str(err.value)
+    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
+    assert validate_config(compose_ours(*args), on_cuda=True) == (("rope", "swiglu"), "vllm")
 
 
 def test_error_profile_contradicts_rollout(qwen2_path):
@@ -426,7 +461,10 @@ def test_validate_passes_triton_kernels_only_when_asked(qwen2_path):
 
 @pytest.mark.parametrize(
     "extra, match",
-    [(("alignment.kernels=cuda",), "use torch"), (("alignment.kernels=triton", "alignment.compile=true"), "choose one")],
+    [
+        (("alignment.kernels=cuda",), "use torch"),
+        (("alignment.kernels=triton", "alignment.compile=true"), "choose one"),
+    ],
 )
 def test_error_bad_kernels(qwen2_path, extra, match):
     with pytest.raises(AlignmentError, match=match):
@@ -451,7 +489,9 @@ def test_baseline_banner_names_the_resolved_profile(monkeypatch):
     monkeypatch.setattr("rlalign_verl.verl.config.cuda_available", lambda: False)
     trainer_callback._start_run(compose_ours("actor_rollout_ref.rollout.name=vllm"))
     assert lines == ["alignment regions=none (baseline) profile=vllm-cpu; mismatch metrics (mismatch/*) on"]
-    eager = compose_ours("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True")
+    eager = compose_ours(
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True"
+    )
     assert would_use_profile(eager, on_cuda=True) == "vllm-eager"
     unresolved = would_use_profile(compose_ours("actor_rollout_ref.rollout.name=trtllm"), on_cuda=False)
     assert unresolved.startswith("auto (unresolved: ") and "alignment.engine" in unresolved

@@ -78,9 +78,7 @@ def check_moe_parallel(regions: Sequence[str], argv: Sequence[str], profile: str
             f"({SUPPORTED}); use --vllm.tensor_parallel_size 1 or drop moe from --alignment.regions"
         )
     if profile is not None:
-        from ..moe_patch import check_unverified_opt_in
+        from ..moe_patch import check_unverified
         from ..profiles import get_profile
 
-        prof = get_profile(profile)
-        if prof.moe is not None and not prof.moe.verified:
-            check_unverified_opt_in(model_type, prof)
+        check_unverified(model_type, get_profile(profile), tuple(regions))

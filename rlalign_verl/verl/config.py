@@ -339,6 +339,9 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
 
             if get_family(model_type).experts is not None:
                 check_expert_parallel(_select(config, EP_KEY, 1))
+                from ..moe_patch import check_unverified  # unverified MoE data: opt-in, checked before Ray
+
+                check_unverified(model_type, get_profile(profile), regions)
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"
