@@ -34,8 +34,9 @@ from rlalign_verl.diagnose.tiny import build_tiny_checkpoint, tiny_cache_root
 from rlalign_verl.profiles import VLLM, Residual, RopeRounding, Source, SwigluRounding
 
 
-def mutations() -> dict[str, object]:
-    """The ``vllm`` profile and each single-field mutation of it (``norm.mean`` excepted)."""
+def mutations(qk_norm: bool = True) -> dict[str, object]:
+    """The ``vllm`` profile and each single-field mutation of it (``norm.mean`` excepted; the q/k-norm field
+    only for models with a q/k-norm)."""
     p, n = VLLM, VLLM.norm
     other = {Source.FP32_SUM: Source.ROUNDED_SUM, Source.ROUNDED_SUM: Source.FP32_SUM}
     out = {"vllm": p}
@@ -48,7 +49,8 @@ def mutations() -> dict[str, object]:
     for r in Residual:
         if r != p.residual:
             out[f"residual={r.value}"] = p.with_name("m", residual=r)
-    out["qk_norm_rounded_before_rope=True"] = p.with_name("m", qk_norm_rounded_before_rope=True)
+    if qk_norm:
+        out["qk_norm_rounded_before_rope=True"] = p.with_name("m", qk_norm_rounded_before_rope=True)
     return out
 
 
@@ -88,8 +90,9 @@ def expected(i: int, tensors: list, hf, cfg, p) -> dict[str, torch.Tensor]:
     """The reference outputs of piece ``i`` (0: embedding .. layer 0's attention; last: final norm)."""
     layers = [ref.layer_weights(layer) for layer in hf.model.layers]
     eps, d, h = float(cfg.rms_norm_eps), int(cfg.head_dim), cfg.hidden_size
+    t = tensors[0].shape[0]  # the token count: every piece's first input is per token (ids, attention output)
     if i == len(layers):
-        res = _find(tensors, lambda a: a.ndim == 2 and a.shape[-1] == h and a.dtype == torch.bfloat16)
+        res = _find(tensors, lambda a: tuple(a.shape) == (t, h) and a.dtype == torch.bfloat16)
         return ref.last_piece(tensors[0], res, layers[-1], hf.model.norm.weight.detach().float(), eps, p)
     pos = _find(tensors, lambda a: a.dtype == torch.int64 and a.ndim == 1)
     cache = _find(tensors, lambda a: a.ndim == 2 and a.shape[-1] == d and a.shape[0] > pos.numel())
@@ -97,7 +100,7 @@ def expected(i: int, tensors: list, hf, cfg, p) -> dict[str, torch.Tensor]:
     if i == 0:  # the embedding rows of the token ids are the first residual
         emb = hf.model.embed_tokens.weight.detach()[tensors[0].long()]
         return ref.first_piece(emb, layers[0], eps, p, table, d)
-    res = _find(tensors, lambda a: a.ndim == 2 and a.shape[-1] == h and a.dtype == torch.bfloat16)
+    res = _find(tensors, lambda a: tuple(a.shape) == (t, h) and a.dtype == torch.bfloat16)
     return ref.middle_piece(tensors[0], res, layers[i - 1], layers[i], eps, p, table, d)
 
 
@@ -106,7 +109,7 @@ def score(calls: list, hf, cfg) -> tuple[dict, dict]:
     crossing = {str(i): [f"{tuple(o.shape)} {str(o.dtype)[6:]}" for o in outs] for i, _, outs in calls}
     results: dict[str, dict[str, float]] = {}
     index: dict[int, dict[str, int]] = {}
-    for name, p in mutations().items():
+    for name, p in mutations(hasattr(hf.model.layers[0].self_attn, "q_norm")).items():
         acc: dict[str, list] = {}
         for i, args, outs in calls:
             exp = expected(i, [a for a in args if isinstance(a, torch.Tensor)], hf, cfg, p)
@@ -122,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the probe; JSON on stdout (and ``--out``); exit 1 on a miss."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"), help="bias-free tiny models only")
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", default=None, help="reuse (or save) the recorded pieces in this torch file")
     args = ap.parse_args(argv)
-    src = build_tiny_checkpoint("qwen3")
+    src = build_tiny_checkpoint(args.arch)
     model_dir = exact_gemm_checkpoint(src, tiny_cache_root() / f"{src.name}-exact-gemm")
     if args.calls and Path(args.calls).is_file():
         calls = torch.load(args.calls)

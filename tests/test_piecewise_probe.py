@@ -37,11 +37,12 @@ def test_selection_matrix_gemm_is_exact() -> None:
 
 
 @pytest.mark.engine
-def test_vllm_profile_reproduces_piecewise_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "killed"), [("qwen3", "9/9"), ("llama", "8/8")])  # llama: no q/k-norm field
+def test_vllm_profile_reproduces_piecewise_engine(tmp_path: Path, arch: str, killed: str) -> None:
     out = tmp_path / "probe.json"
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "piecewise_probe.py"), "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "piecewise_probe.py"), "--arch", arch, "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.is_file(), proc.stderr[-3000:]
@@ -50,7 +51,7 @@ def test_vllm_profile_reproduces_piecewise_engine(tmp_path: Path) -> None:
     assert proc.returncode == 0, report["problems"]
     # what crosses the split: bf16 only (the residual leaves the piece rounded, as Residual.AT_ATTENTION says)
     assert {s.split()[-1] for outs in report["crossing"].values() for s in outs} == {"bfloat16"}
-    assert report["pieces"] == 5  # tiny qwen3: 4 layers -> first, 3 middle, last
+    assert report["pieces"] == 5  # 4 layers -> first, 3 middle, last
     assert set(report["results"]["vllm"].values()) == {1.0}
-    assert report["killed"] == "9/9"
+    assert report["killed"] == killed
     assert report["results"]["residual=never"]["residual"] < 0.9
