@@ -16,7 +16,7 @@ from torch import nn
 from .families import ModelFamily
 from .profiles import HF, EngineProfile, Residual
 from .regions.attention import attention_interface
-from .regions.residual_stream import carry_for, pack, unpack
+from .regions.residual_stream import CARRY_KWARG, Carry, ResidualCarry, carry_for, hand_on, join
 from .regions.rmsnorm import add_rms_norm, rms_norm
 from .regions.rope import apply_rope, rope_table
 from .regions.swiglu import swiglu
@@ -178,7 +178,8 @@ def attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module
 
 
 def layer_forward(st: AlignmentState) -> Callable:
-    """vLLM-style layer: takes and returns the residual stream packed as ``carry_for(profile)`` says."""
+    """vLLM-style layer: returns ``R(s)`` ``[..., H]`` as HF does; the remainder ``s - R(s)`` the next
+    norm needs (``carry_for(profile)``) travels in the :class:`ResidualCarry` passed as ``kwargs[CARRY_KWARG]``."""
     mode = st.profile.residual
     carry = carry_for(st.profile)
     # the input norm's residual leaves the compiled piece before attention (AT_ATTENTION) or is
@@ -198,12 +199,19 @@ def layer_forward(st: AlignmentState) -> Callable:
         **kwargs,
     ) -> torch.Tensor:
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
-        # (h, r), or (the sum, None): a carried sum, or the embedding in the first layer
-        h, residual = unpack(hidden_states, ln_in.weight.shape[-1])
-        at = 2 * self.self_attn.layer_idx  # position of the input norm along the residual stream
+        box: ResidualCarry | None = kwargs.pop(CARRY_KWARG, None)
+        idx = self.self_attn.layer_idx
+        rest = None
+        if box is not None and carry is not Carry.ROUNDED_SUM and hidden_states.dtype != torch.float32:
+            box.check_grad(idx)
+            # HF's checkpointing recomputes this layer in backward from the same kwargs: keep the entry
+            ckpt = self.training and getattr(self, "gradient_checkpointing", False)
+            keep = torch.is_grad_enabled() and ckpt
+            rest = box.rest_before(idx, keep=keep)
+        at = 2 * idx  # position of the input norm along the residual stream
         x, residual = add_norm(
-            h,
-            residual,
+            join(hidden_states, rest),  # the sum itself: R(s) (+ the remainder), or the embedding
+            None,
             ln_in.weight,
             ln_in.variance_epsilon,
             st.norm,
@@ -223,7 +231,34 @@ def layer_forward(st: AlignmentState) -> Callable:
         x, residual = add_norm(
             a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post, index=at + 1
         )
-        return pack(self.mlp(x), residual, carry)
+        return hand_on(self.mlp(x), residual, carry, box, idx)
+
+    return forward
+
+
+CARRY_ATTR = "_rlalign_residual_carry"
+"""Final-norm attribute holding the running forward's :class:`ResidualCarry` (set by the base model)."""
+
+
+def base_model_forward(saved_attr: str) -> Callable:
+    """The base model's forward with a fresh :class:`ResidualCarry` passed to the decoder layers (HF hands
+    its ``**kwargs`` to every layer) and lent to the final norm (which takes no kwargs) for one call."""
+
+    def forward(self: nn.Module, *args, **kwargs):
+        box = ResidualCarry()
+        norm_dict = self.norm.__dict__
+        previous = norm_dict.get(CARRY_ATTR)
+        norm_dict[CARRY_ATTR] = box
+        inner = self.__dict__.get(saved_attr) or type(self).forward.__get__(self)
+        try:
+            return inner(*args, **kwargs, **{CARRY_KWARG: box})
+        finally:
+            if previous is None:
+                norm_dict.pop(CARRY_ATTR, None)
+            else:
+                norm_dict[CARRY_ATTR] = previous
+            if not box.kept:  # no checkpoint recompute will read it: nothing outlives the forward
+                box.clear()
 
     return forward
 
@@ -232,9 +267,10 @@ def final_norm_forward(st: AlignmentState) -> Callable:
     _, add_norm = norm_fns(st)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        h, residual = unpack(hidden_states, self.weight.shape[-1])
+        box = self.__dict__.get(CARRY_ATTR)
+        h = join(hidden_states, box.take_last() if box is not None else None)
         y, _ = add_norm(  # the final norm's position (2 x layers) is even: never one that stores the sum
-            h, residual, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
+            h, None, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
         )
         return y
 

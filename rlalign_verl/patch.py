@@ -23,6 +23,7 @@ from .families import FAMILIES, ModelFamily, get_family
 from .forwards import (
     AlignmentState,
     attention_forward,
+    base_model_forward,
     final_norm_forward,
     layer_forward,
     mlp_forward,
@@ -37,6 +38,7 @@ from .regions import normalize_regions
 from .regions.attention import check_attention_supported
 from .regions.inductor_norm import check_compiled_norm
 from .regions.lm_head import head_forward, parse_head_dtype
+from .regions.residual_stream import Carry, carry_for
 
 logger = logging.getLogger("rlalign_verl")
 
@@ -145,6 +147,8 @@ def _patch_instance(
     bind_moe(model, family, profile.moe, regions, _bind)
     if layer_fwd:
         _bind(base.norm, final_norm_forward(st))
+        if carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a per-forward carry
+            _bind(base, base_model_forward(_SAVED_FORWARD))
     if "lm_head" in regions and st.head_dtype == "float32":  # head_dtype "model": HF's bf16 head is the engine's
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):

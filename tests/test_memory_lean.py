@@ -10,10 +10,11 @@ Counted two ways on a tiny bf16 Qwen2 (3 layers, hidden 256, intermediate 704 as
   outside any hook, so there we count the bytes torch's allocator still holds when the forward returns
   (the profiler's allocation records, summed).
 
-Allowance (gradient checkpointing only): the residual stream crosses each checkpointed layer boundary as
-one packed tensor (:mod:`rlalign_verl.regions.residual_stream`): ``[T, H]`` (the rounded sum, as HF) for
-``vllm-eager``, ``[T, 2H]`` (hidden + bf16 residual) for ``sglang``, ``[T, 3H]`` (three limbs of the fp32
-sum) for ``vllm``, where HF keeps ``[T, H]``.
+Allowance (gradient checkpointing only): at each checkpointed layer boundary the checkpoint keeps the
+layer input ``R(s)`` ``[T, H]`` as for HF, and the recompute needs the remainder ``s - R(s)`` kept in the
+carry (:mod:`rlalign_verl.regions.residual_stream`): none for ``vllm-eager``, bf16 ``[T, H]`` for
+``sglang`` (the rounding error of a bf16 pair's sum), fp32 ``[T, H]`` for ``vllm``: in units of bf16
+``[T, H]``, a boundary holds 1, 2 or 3 (``PACKED_WIDTH``).
 So every layer input after the first costs ``(width - 1) * T * H * 2`` extra bytes; that is the
 whole allowance (the engine really carries that state between layers).
 """

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlalign_verl.errors import AlignmentError
 from rlalign_verl.profiles import PROFILES, Mean, get_profile
-from rlalign_verl.regions.residual_stream import Carry, carry_for, pack, unpack
+from rlalign_verl.regions.residual_stream import Carry, ResidualCarry, carry_for, hand_on, join
 from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
 from rlalign_verl.regions.rope import apply_rope, rope_table
 from rlalign_verl.regions.swiglu import swiglu
@@ -48,7 +49,9 @@ def grads_match(
 
 
 def _ref_norm64(s, w, mean: Mean):
-    var = s.pow(2).mean(-1, keepdim=True) if mean is Mean.MEAN else s.pow(2).sum(-1, keepdim=True) / s.shape[-1]
+    var = (
+        s.pow(2).mean(-1, keepdim=True) if mean is Mean.MEAN else s.pow(2).sum(-1, keepdim=True) / s.shape[-1]
+    )
     return s * torch.rsqrt(var + EPS) * w
 
 
@@ -125,31 +128,52 @@ def test_rope_grad(profile: str) -> None:
     grads_match(loss, lambda q, k: (rot64(q) * gq.double()).sum() + (rot64(k) * gk.double()).sum(), (q, k))
 
 
-def test_residual_limbs_are_exact_forward_and_backward() -> None:
+def test_residual_remainder_is_exact_forward_and_backward() -> None:
+    """A layer hands on R(s) ([..., H], bf16) and the fp32 remainder s - R(s) in the carry; the next norm's
+    ``join`` rebuilds s exactly, and the fp32 gradient of s travels back exactly (R(g) through the visible
+    tensor, the rest through the remainder)."""
     torch.manual_seed(4)
     r = (torch.randn(2, 3, 64) * torch.logspace(-20, 20, 64)).requires_grad_(True)  # wide exponent range
     h = torch.zeros(2, 3, 64, dtype=BF)
-    packed = pack(h, r, Carry.FP32_SUM)  # the fp32 sum 0 + r == r, as three bf16 limbs
-    packed = packed.to(BF)  # what FSDP2's cast_forward_inputs does: a no-op on bf16
-    assert packed.dtype == BF and packed.shape[-1] == 3 * 64
-    s, none = unpack(packed, 64)
-    assert none is None and s.dtype == torch.float32
-    assert torch.equal(s, r.detach()), "three bf16 limbs must carry an fp32 value exactly"
+    box = ResidualCarry()
+    visible = hand_on(h, r, Carry.FP32_SUM, box, 0)  # the fp32 sum 0 + r == r
+    assert visible.dtype == BF and visible.shape == (2, 3, 64) and torch.equal(visible, r.detach().to(BF))
+    visible = visible.to(BF)  # what FSDP2's cast_forward_inputs does: a no-op on bf16
+    s = join(visible, box.rest_before(1, keep=False))
+    assert s.dtype == torch.float32 and len(box) == 0
+    assert torch.equal(s, r.detach()), "R(s) plus the fp32 remainder must give the fp32 sum exactly"
     g = torch.randn(2, 3, 64) * torch.logspace(-10, 10, 64)
     (s * g).sum().backward()
-    assert torch.equal(r.grad, g), "the fp32 gradient must travel back through the limbs exactly"
+    assert torch.equal(r.grad, g), "the fp32 gradient must travel back through the boundary exactly"
 
 
-def test_residual_pair_rounded_sum_and_plain() -> None:
-    h, r = torch.randn(5, 32).to(BF), torch.randn(5, 32).to(BF)
-    assert pack(h, r, Carry.PAIR).shape == (5, 64)
-    h2, r2 = unpack(pack(h, r, Carry.PAIR), 32)
-    assert torch.equal(h2, h) and torch.equal(r2, r)
-    s, none = unpack(pack(h, r, Carry.ROUNDED_SUM), 32)
-    assert none is None and torch.equal(s, h + r), "R(h + r): what HF's bf16 residual add gives"
-    assert unpack(h, 32)[1] is None
-    with pytest.raises(ValueError, match="packed residual stream"):
-        unpack(torch.randn(5, 128), 32)
+def test_residual_pair_rounded_sum_and_missing_carry() -> None:
+    """PAIR: the remainder of R(h + r) for bf16 h, r is itself bf16 (TwoSum), across a wide exponent range;
+    its gradient goes through the visible tensor, as the engine pair's bf16 h and r each receive R(g)."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(4096, generator=g).to(BF)
+    r = (
+        torch.randn(4096, generator=g) * torch.exp2(torch.randint(-40, 41, (4096,), generator=g).float())
+    ).to(BF)
+    h.requires_grad_(True)
+    box = ResidualCarry()
+    visible = hand_on(h, r, Carry.PAIR, box, 0)
+    assert visible.shape == (4096,) and torch.equal(visible, (h + r).detach()), "R(h + r): HF's bf16 add"
+    s = join(visible, box.rest_before(1, keep=True))
+    assert box._rest[0].dtype == BF and len(box) == 1  # kept for a checkpoint recompute
+    assert torch.equal(s, h.detach().float() + r.float()), "R(s) + the bf16 remainder must give the fp32 sum"
+    gs = torch.randn(4096, generator=g) * torch.logspace(-10, 10, 4096)
+    (s * gs).sum().backward()
+    assert torch.equal(h.grad, gs.to(BF))
+    plain = torch.randn(5, 32).to(BF)
+    assert (
+        torch.equal(hand_on(plain, plain, Carry.ROUNDED_SUM, None, 0), plain + plain)
+        and join(plain, None) is plain
+    )
+    with pytest.raises(AlignmentError, match="without the residual carry"):
+        hand_on(plain, plain, Carry.FP32_SUM, None, 0)
+    with pytest.raises(AlignmentError, match="found no residual stream from layer 2"):
+        ResidualCarry().rest_before(3, keep=False)
 
 
 def test_carry_follows_what_the_next_norm_reads() -> None:

@@ -2,8 +2,9 @@
 
 verl wraps every decoder layer and the root with ``fully_shard(mp_policy=MixedPrecisionPolicy(bf16,
 fp32, cast_forward_inputs=True))``, which casts every floating input of a wrapped layer to bf16. The
-``vllm`` and ``vllm-cpu`` profiles carry the residual across a decoder-layer boundary in fp32; the
-patch passes it as bf16 limbs, so the cast is exact. Expected tolerance: bit-identical logits.
+``vllm`` and ``vllm-cpu`` profiles carry the residual across a decoder-layer boundary in fp32; a layer
+returns the bf16 ``R(s)`` and the fp32 remainder travels in a carry object (a keyword argument the cast
+does not enter), so nothing is rounded. Expected tolerance: bit-identical logits.
 
 Runs in a fresh process (``python test_verl_fsdp2.py child <path>``) so the process group does not
 leak into other tests.

@@ -1,20 +1,24 @@
-"""Carry what the engine's next norm reads between decoder layers, as ONE tensor of the activation dtype.
+"""Carry what the engine's next norm reads between decoder layers: ``[..., H]`` out, the rest as an argument.
 
 HF's model loop passes a single ``hidden_states`` tensor from layer to layer; engines pass a
-``(hidden, residual)`` pair and add it inside the next norm (``s = h + r`` in fp32). Each layer here
-hands on the least that the next norm needs, chosen by the profile (:func:`carry_for`):
+``(hidden, residual)`` pair and add it inside the next norm (``s = h + r`` in fp32). What the next norm
+needs depends on the profile (:func:`carry_for`):
 
-- ``ROUNDED_SUM`` ``[..., H]``: ``R(h + r)`` — the next norm reads only the rounded sum (variance,
-  normalisation and the stored residual all come from it: HF, vLLM's eager CUDA kernels);
-- ``PAIR`` ``[..., 2H]``: ``h`` and ``r`` side by side — the next norm reads the fp32 sum but stores a
-  bf16 residual (vLLM CPU eager, SGLang);
-- ``FP32_SUM`` ``[..., 3H]``: the fp32 sum ``h + r`` as three bf16 *limbs* ``hi + mid + lo`` that add
-  back to it exactly — the residual stream crosses the layer boundary in fp32 (compiled vLLM).
+- ``ROUNDED_SUM``: ``R(h + r)`` only — variance, normalisation and the stored residual all come from the
+  rounded sum (HF, vLLM's eager CUDA kernels);
+- ``PAIR``: the fp32 sum ``h + r`` of a bf16 pair (vLLM CPU eager, SGLang), stored back as a bf16 residual;
+- ``FP32_SUM``: the fp32 sum itself — the residual stream crosses the layer boundary in fp32 (compiled vLLM).
 
-So every tensor crossing a layer boundary has the activation dtype and FSDP2's
-``cast_forward_inputs`` (which casts layer inputs to bf16) cannot round it. Gradients travel the same
-way, so the fp32 gradient of an fp32 sum is exact too. A ``[..., H]`` tensor is also what the first
-layer receives (the embedding): in both cases the norm's input *is* the sum.
+Every aligned layer returns ``R(s)`` ``[..., H]`` in the activation dtype, what HF's own layer returns
+(``output_hidden_states`` and forward hooks see it). Where the next norm needs more (``PAIR``,
+``FP32_SUM``) the layer also puts the remainder ``s - R(s)`` (exact; see :func:`hand_on`) into a
+:class:`ResidualCarry`, a per-forward object the aligned base model passes to every decoder layer as the
+keyword argument :data:`CARRY_KWARG`. FSDP2's ``cast_forward_inputs`` casts only tensors it sees in the
+arguments; an opaque object is passed through untouched, so an fp32 remainder stays fp32 and no limbs
+are needed. :func:`join` rebuilds ``s = R(s) + rest`` exactly; its backward hands ``R(g)`` to the visible
+tensor (so FSDP2's per-layer backward hooks on it fire as for HF) and, for ``FP32_SUM``, the exact rest
+``g - R(g)`` to the remainder, which :func:`hand_on`'s backward adds back: the fp32 gradient of an fp32
+sum crosses the boundary exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from enum import Enum
 
 import torch
 
+from ..errors import AlignmentError
 from ..profiles import EngineProfile, Residual, Source
+
+CARRY_KWARG = "rlalign_residual_carry"
+"""Keyword argument through which the aligned base model hands its :class:`ResidualCarry` to the layers."""
 
 
 class Carry(str, Enum):
@@ -41,59 +49,114 @@ def carry_for(profile: EngineProfile) -> Carry:
     return Carry.PAIR
 
 
-def _split_fp32(s: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # three bf16 limbs hold all 24 significand bits of an fp32 value: hi + mid + lo == s exactly.
-    hi = s.to(dtype)
-    rest = s - hi.float()
-    mid = rest.to(dtype)
-    lo = (rest - mid.float()).to(dtype)
-    return hi, mid, lo
+class ResidualCarry:
+    """One forward's remainders ``s - R(s)``, keyed by the decoder layer that produced them.
+
+    A plain object (not a tensor, dataclass or container), so FSDP2 and pytree pass it through as is.
+    Entries are popped when read, except under gradient checkpointing, where the layer's recompute in
+    backward reads its input remainder again; the carry then lives as long as the autograd graph that
+    references it (through the checkpoint's saved keyword arguments) and no longer.
+    """
+
+    __slots__ = ("_rest", "grad_enabled", "kept", "__weakref__")
+
+    def __init__(self) -> None:
+        self._rest: dict[int, torch.Tensor] = {}
+        self.grad_enabled = torch.is_grad_enabled()
+        self.kept = False
+
+    def __len__(self) -> int:
+        return len(self._rest)
+
+    def put(self, layer_idx: int, rest: torch.Tensor) -> None:
+        """Store layer ``layer_idx``'s remainder; a checkpoint recompute's identical value keeps the first."""
+        self._rest.setdefault(layer_idx, rest)
+
+    def rest_before(self, layer_idx: int, *, keep: bool) -> torch.Tensor | None:
+        """The remainder of layer ``layer_idx - 1`` (``None`` for the first layer); ``keep`` leaves it stored."""
+        if layer_idx == 0:
+            return None
+        if layer_idx - 1 not in self._rest:
+            raise AlignmentError(
+                f"decoder layer {layer_idx} found no residual stream from layer {layer_idx - 1} (layers run out of "
+                f"order, or recomputed by a checkpoint wrapper other than HF's); use "
+                f"model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})"
+            )
+        self.kept |= keep
+        return self._rest[layer_idx - 1] if keep else self._rest.pop(layer_idx - 1)
+
+    def check_grad(self, layer_idx: int) -> None:
+        """Refuse reentrant checkpointing: it runs the layers without autograd and recomputes them from their
+        positional arguments only (the layer sees grad mode off inside a forward that started with it on)."""
+        if self.grad_enabled and not torch.is_grad_enabled():
+            raise AlignmentError(
+                f"decoder layer {layer_idx} runs without autograd inside a training forward (reentrant gradient "
+                f"checkpointing), which cannot recompute it with the residual stream's remainder; use "
+                f"gradient_checkpointing_kwargs={{'use_reentrant': False}}"
+            )
+
+    def take_last(self) -> torch.Tensor | None:
+        """Pop the last layer's remainder (read by the final norm); ``None`` when there is none."""
+        return self._rest.pop(max(self._rest)) if self._rest else None
+
+    def clear(self) -> None:
+        self._rest.clear()
 
 
-def _join_limbs(hi: torch.Tensor, mid: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    return (hi.float() + mid.float()) + lo.float()
-
-
-class _ToLimbs(torch.autograd.Function):
+class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, s, dtype):  # type: ignore[override]
-        return torch.cat(_split_fp32(s, dtype), dim=-1)
+    def forward(ctx, s, dtype, rest_dtype):  # type: ignore[override]
+        visible = s.to(dtype)
+        rest = (s - visible.float()).to(rest_dtype)  # exact: see hand_on
+        if rest_dtype != torch.float32:
+            ctx.mark_non_differentiable(rest)
+        return visible, rest
+
+    @staticmethod
+    def backward(ctx, g_visible, g_rest):  # type: ignore[override]
+        g = g_visible.float()
+        return (g if g_rest is None else g + g_rest), None, None  # straight-through: both parts are the sum
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, visible, rest):  # type: ignore[override]
+        ctx.dtype = visible.dtype
+        return visible.float() + rest.float()  # == s exactly
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return _join_limbs(*g.chunk(3, dim=-1)), None
+        g_visible = g.to(ctx.dtype)  # what HF's bf16 hidden state would receive
+        # an fp32 remainder takes the exact rest, so the two add back to g; a bf16 one (PAIR) takes none
+        return g_visible, (g - g_visible.float() if ctx.needs_input_grad[1] else None)
 
 
-class _FromLimbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, limbs):  # type: ignore[override]
-        ctx.dtype = limbs.dtype
-        return _join_limbs(*limbs.chunk(3, dim=-1))
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return torch.cat(_split_fp32(g.float(), ctx.dtype), dim=-1)
+def join(visible: torch.Tensor, rest: torch.Tensor | None) -> torch.Tensor:
+    """The sum the next norm reads: ``visible`` itself, or the fp32 ``visible + rest`` (exact)."""
+    return visible if rest is None else _Join.apply(visible, rest)
 
 
-def pack(hidden: torch.Tensor, residual: torch.Tensor, carry: Carry) -> torch.Tensor:
-    """One tensor of ``hidden.dtype`` carrying ``hidden + residual`` as ``carry`` says."""
-    if carry is Carry.PAIR:
-        return torch.cat((hidden, residual.to(hidden.dtype)), dim=-1)
+def hand_on(
+    hidden: torch.Tensor, residual: torch.Tensor, carry: Carry, box: ResidualCarry | None, layer_idx: int
+) -> torch.Tensor:
+    """The layer output ``R(hidden + residual)``; for ``PAIR``/``FP32_SUM`` the remainder goes to ``box``.
+
+    ``FP32_SUM``: the remainder ``s - R(s)`` of an fp32 sum is exact in fp32 and carries the fp32 gradient.
+    ``PAIR``: ``hidden`` and ``residual`` are both bf16, and the rounding error of a sum of two bf16 values
+    is itself a bf16 value (the TwoSum property; where fp32 rounds ``h + r`` first, the exponent gap is
+    above 16 and ``s - R(s)`` is ``r`` on fp32's grid, 8 bits), so the remainder is stored in bf16, as the
+    engine's bf16 pair costs. Its gradient goes through the visible tensor only: the engine pair's
+    ``h`` and ``r`` each receive the bf16 gradient ``R(g)`` there too.
+    """
     s = hidden.float() + residual.float()  # the fp32 sum the engine's next norm forms
     if carry is Carry.ROUNDED_SUM or hidden.dtype == torch.float32:
         return s.to(hidden.dtype)
-    return _ToLimbs.apply(s, hidden.dtype)
-
-
-def unpack(x: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Inverse of :func:`pack`: ``(h, r)`` for a pair, else ``(sum, None)`` (fp32 for limbs)."""
-    parts = x.shape[-1] // hidden_size
-    if x.shape[-1] % hidden_size or parts not in (1, 2, 3):
-        raise ValueError(
-            f"hidden states of width {x.shape[-1]} are not a packed residual stream of hidden size {hidden_size}"
+    if box is None:
+        raise AlignmentError(
+            f"decoder layer {layer_idx} was called without the residual carry the aligned base model passes "
+            f"({CARRY_KWARG}); call the model (or model.model), not its decoder layers one by one"
         )
-    if parts == 1:
-        return x, None
-    if parts == 2:
-        return x[..., :hidden_size], x[..., hidden_size:]
-    return _FromLimbs.apply(x), None
+    rest_dtype = hidden.dtype if carry is Carry.PAIR else torch.float32
+    visible, rest = _Split.apply(s, hidden.dtype, rest_dtype)
+    box.put(layer_idx, rest)
+    return visible

@@ -1,0 +1,132 @@
+"""Under FSDP2 an aligned model's per-parameter gradients equal the unsharded aligned model's, bit for bit.
+
+The fp32 remainder of the residual stream crosses a decoder-layer boundary inside a per-forward carry,
+not as a layer argument, so FSDP2 neither casts it nor wraps it in its post-backward hook; only the
+visible ``[B, T, H]`` output does. This checks that FSDP2's hooks still fire in the right order (params
+unsharded before each layer's backward, gradients reduced after it) for every carry kind — ``PAIR``
+(``sglang``, ``vllm-cpu-eager``), ``FP32_SUM`` (``vllm``, ``vllm-cpu``), ``ROUNDED_SUM`` (``hf``,
+``vllm-eager``) — with and without verl's non-reentrant gradient checkpointing, on 2 gloo ranks (CPU).
+
+Expected: bit-identical. Both ranks see the same batch, so FSDP2's fp32 reduce gives ``(g + g) / 2 = g``
+exactly, and ``g`` is the bf16 gradient of the reference (parameters in bf16, as FSDP2 computes with
+``param_dtype=bf16``) converted to fp32. Runs in a fresh process so the process group does not leak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PROFILES = ("hf", "vllm-eager", "sglang", "vllm-cpu-eager", "vllm", "vllm-cpu")
+WORLD = 2
+
+
+def test_fsdp2_gradients_equal_unsharded_for_every_carry_kind(tmp_path) -> None:
+    out_file = tmp_path / "grads.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, __file__, "child", str(out_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out_file.read_text())
+    assert len(results) == len(PROFILES) * 2
+    for r in results:
+        assert r["params"] > 10 and r["mismatched"] == [], r
+        assert r["logits_equal"], r
+    # the profiles change the gradients (otherwise bit-identity could hold by accident of no alignment)
+    sums = {r["profile"]: r["grad_sum"] for r in results if not r["checkpointing"]}
+    assert len(set(sums.values())) >= 4, sums
+
+
+def _build():
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128, tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # fp32 master weights holding bf16 values, as a bf16 checkpoint
+            p.copy_(
+                (torch.randn_like(p) * 0.1 if p.dim() > 1 else 1.0 + 0.2 * torch.randn_like(p)).bfloat16()
+            )
+    return model.train()
+
+
+def _grads(model, ids, checkpointing: bool):
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logits = model(input_ids=ids).logits
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach()
+
+
+def _rank(rank: int, out_file: str) -> None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from rlalign_verl.patch import apply_alignment
+
+    dist.init_process_group("gloo", world_size=WORLD, rank=rank)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    base = _build()
+    results = []
+    for profile in PROFILES:
+        for checkpointing in (False, True):
+            ref = copy.deepcopy(base)
+            for p in ref.parameters():
+                p.data = p.data.to(torch.bfloat16)  # buffers stay fp32, as under FSDP2
+            wrapped = copy.deepcopy(base)
+            for m in (ref, wrapped):
+                apply_alignment(m, regions=("rope", "swiglu", "rmsnorm"), engine=profile)
+            for layer in wrapped.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(wrapped, mesh=mesh, mp_policy=mp)
+            want = _grads(ref, ids, checkpointing)
+            got = _grads(wrapped, ids, checkpointing)
+            names = [n for n, _ in ref.named_parameters()]
+            pairs = zip(names, ref.parameters(), wrapped.parameters(), strict=True)
+            mismatched = [n for n, a, b in pairs if not torch.equal(a.grad.float(), b.grad.full_tensor())]
+            grad_sum = sum(float(p.grad.float().abs().sum()) for p in ref.parameters())
+            results.append(
+                {
+                    "profile": profile,
+                    "checkpointing": checkpointing,
+                    "params": len(names),
+                    "mismatched": mismatched,
+                    "logits_equal": bool(torch.equal(got, want)),
+                    "grad_sum": grad_sum,
+                }
+            )
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _child(out_file: str) -> None:
+    import torch.multiprocessing as mp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    mp.spawn(_rank, args=(out_file,), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "child":
+    _child(sys.argv[2])
