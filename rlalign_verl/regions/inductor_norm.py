@@ -23,7 +23,7 @@ import torch
 from ..errors import AlignmentError
 from ..profiles import EngineProfile, NormRounding
 from ._precision import autocast_disabled
-from .rmsnorm import _norm_backward, _normalize, _reduce_to_weight, _rsqrt_mean_sq
+from .rmsnorm import _norm_backward, _normalize, _rsqrt_mean_sq
 
 
 def _add_norm_math(h, residual, weight, eps: float, rounding: NormRounding, out_dtype: torch.dtype):
@@ -70,6 +70,17 @@ def _norm_math(x, weight, eps: float, rounding: NormRounding, keep_fp32: bool):
     return _normalize(v, rt, weight.float(), rounding, x.dtype)
 
 
+def _bwd_math(v, weight, gy, g_res, eps: float, rounding: NormRounding, out_dtype: torch.dtype):
+    # :mod:`.rmsnorm`'s fp32 backward (roundings straight-through), compiled for speed: its reductions
+    # (the row's inner product, the weight gradient over rows) then sum in Inductor's order
+    v = v.float()
+    rt = _rsqrt_mean_sq(v, eps, rounding.mean)
+    dv, gw = _norm_backward(v, rt, weight.float(), gy.float())
+    if g_res is not None:
+        dv = dv + g_res.float()
+    return dv.to(out_dtype), dv, gw.sum(0).to(weight.dtype)
+
+
 @functools.cache
 def _kernel(fn: Callable, key: tuple, options: tuple[tuple[str, object], ...]) -> Callable:
     """``fn`` compiled with ``options``, one compiled code object per ``key`` (shape/dtype variant).
@@ -97,12 +108,31 @@ def _run(fn: Callable, key: tuple, options, *tensors_and_args):
     return _kernel(fn, key, options)(*tensors_and_args)
 
 
+def _backward(v, weight, gy, g_res, eps, rounding, out_dtype, options):
+    """``(dv in out_dtype, dv fp32, dweight)`` of the norm of ``v`` (fp32 sum or the plain input)."""
+    shape, n = v.shape, v.shape[:-1].numel()
+    key = (
+        "bwd",
+        v.dtype,
+        gy.dtype,
+        None if g_res is None else g_res.dtype,
+        shape[-1],
+        eps,
+        rounding,
+        out_dtype,
+    )
+    args = (_rows(v, n), weight, _rows(gy, n), _rows(g_res, n), eps, rounding, out_dtype)
+    with autocast_disabled(gy):
+        dv, dv32, gw = _run(_bwd_math, key, options, *args)
+    return dv[:n].view(shape), dv32[:n].view(shape), gw
+
+
 class _InductorAddRmsNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, residual, weight, eps, rounding, round_residual, out_dtype, options, store):  # type: ignore[override]
         shape, n = h.shape, h.shape[:-1].numel()
         dtype = out_dtype or h.dtype
-        ctx.eps, ctx.rounding, ctx.h_dtype = eps, rounding, h.dtype
+        ctx.eps, ctx.rounding, ctx.h_dtype, ctx.options = eps, rounding, h.dtype, options
         ctx.r_dtype = None if residual is None else residual.dtype
         fn = _add_norm_store_math if store else _add_norm_math
         key = (store, h.dtype, ctx.r_dtype, weight.dtype, shape[-1], eps, rounding, dtype)
@@ -121,20 +151,16 @@ class _InductorAddRmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy, g_res):  # type: ignore[override]
         s, weight = ctx.saved_tensors
-        with autocast_disabled(gy):
-            rt = _rsqrt_mean_sq(s, ctx.eps, ctx.rounding.mean)
-            ds, gw = _norm_backward(s, rt, weight.float(), gy.float())
-            if g_res is not None:
-                ds = ds + g_res.float()
+        dh, ds, gw = _backward(s, weight, gy, g_res, ctx.eps, ctx.rounding, ctx.h_dtype, ctx.options)
         d_res = None if ctx.r_dtype is None else ds.to(ctx.r_dtype)
-        return ds.to(ctx.h_dtype), d_res, _reduce_to_weight(gw, weight), None, None, None, None, None, None
+        return dh, d_res, gw, None, None, None, None, None, None
 
 
 class _InductorRmsNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, rounding, keep_fp32, options):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.rounding = eps, rounding
+        ctx.eps, ctx.rounding, ctx.options = eps, rounding, options
         shape, n = x.shape, x.shape[:-1].numel()
         key = ("norm", x.dtype, weight.dtype, shape[-1], eps, rounding, keep_fp32)
         with autocast_disabled(x):
@@ -144,11 +170,8 @@ class _InductorRmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        with autocast_disabled(gy):
-            v = x.float()
-            rt = _rsqrt_mean_sq(v, ctx.eps, ctx.rounding.mean)
-            dx, gw = _norm_backward(v, rt, weight.float(), gy.float())
-        return dx.to(x.dtype), _reduce_to_weight(gw, weight), None, None, None, None
+        dx, _, gw = _backward(x, weight, gy, None, ctx.eps, ctx.rounding, x.dtype, ctx.options)
+        return dx, gw, None, None, None, None
 
 
 def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], compiled_norm: bool) -> None:
