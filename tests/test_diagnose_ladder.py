@@ -165,3 +165,28 @@ def test_ladder_on_engine_rollouts(engine_rollouts, tmp_path, capsys):
     assert "does not compile its norms" in rows[4]["skipped"]  # the eager path
     assert res["engine"]["head_dtype"] == "model"
     assert "attribution ladder" in capsys.readouterr().out
+
+
+def test_engine_job_passes_hf_overrides_to_vllm(monkeypatch, tmp_path):
+    """The engine child builds ``vllm.LLM`` with the job's ``hf_overrides`` (and none when it is empty)."""
+    pytest.importorskip("vllm")
+    import vllm
+
+    from rlalign_verl.diagnose import runner
+
+    seen: list[dict] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    for overrides in ({"head_dtype": "float32"}, {}):
+        job = runner.EngineJob("m", [[1, 2]], 4, str(tmp_path / "o.jsonl"), hf_overrides=overrides)
+        with pytest.raises(Stop):
+            runner._run_job(job)
+    assert seen[0]["hf_overrides"] == {"head_dtype": "float32"}
+    assert "hf_overrides" not in seen[1]

@@ -79,8 +79,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma-separated alignment settings: none, all, a region (rope, swiglu, rmsnorm) or regions "
-        "joined with '+' (e.g. rope+rmsnorm); default: none,rope,swiglu,rmsnorm,all",
+        help="comma-separated alignment settings: none, all, a region (rope, swiglu, rmsnorm; opt-in: "
+        "attention, lm_head, moe) or regions joined with '+' (e.g. rope+rmsnorm, all+attention); "
+        "default: none,rope,swiglu,rmsnorm,all",
     )
     p.add_argument(
         "--out",
