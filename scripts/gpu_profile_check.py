@@ -791,6 +791,9 @@ def _add_e2e_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--e2e-arch", default="qwen3", choices=("qwen2", "qwen3", "llama"))
     g.add_argument("--e2e-prompts", type=int, default=16)
     g.add_argument("--e2e-tokens", type=int, default=32)
+    g.add_argument(
+        "--e2e-rollouts", default=None, help="reuse this dump of an earlier run instead of sampling"
+    )
 
 
 def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] | None:
@@ -803,7 +806,8 @@ def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] |
     out_dir = default_json_path(args.out).parent / "e2e"
     try:
         e2e = run_e2e(args.device, profile, arch=args.e2e_arch, prompts=args.e2e_prompts,
-                      tokens=args.e2e_tokens, seed=args.seed, out_dir=out_dir)  # fmt: skip
+                      tokens=args.e2e_tokens, seed=args.seed, out_dir=out_dir,
+                      rollouts_from=Path(args.e2e_rollouts) if args.e2e_rollouts else None)  # fmt: skip
     except Exception as exc:  # a failed step is a miss, reported like a failed case
         traceback.print_exc()
         return {"profile": profile, "rows": {}, "problems": [f"e2e: {type(exc).__name__}: {exc}"]}

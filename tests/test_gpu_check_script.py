@@ -217,8 +217,11 @@ def test_e2e_step_on_cpu_passes_and_fails_on_a_planted_profile(tmp_path: Path) -
     e2e = report["e2e"]
     assert e2e["profile"] == "vllm-cpu" and e2e["rollouts"] == 8
     assert set(e2e["rows"]) == {"none", "rope", "swiglu", "rmsnorm", "all", "floor"}
-    proc = _run(*common, "--plant", "hf", "--out", str(tmp_path / "planted.json"), cwd=tmp_path)
-    planted = json.loads((tmp_path / "planted.json").read_text())
+    dump = tmp_path / "e2e" / "e2e_rollouts.jsonl"  # the same rollouts, checked against the planted profile
+    proc = _run(
+        *common, "--plant", "hf", "--e2e-rollouts", str(dump), "--out", str(tmp_path / "p.json"), cwd=tmp_path
+    )
+    planted = json.loads((tmp_path / "p.json").read_text())
     assert proc.returncode == 1 and planted["verdict"] == "fail"
     assert any("does not reach the floor" in p for p in planted["problems"]), planted["problems"]
 

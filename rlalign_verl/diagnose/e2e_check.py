@@ -103,15 +103,32 @@ def problems_of(rows: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def reuse(dump: Path, arch: str) -> tuple:
+    """``(model_dir, config, rollouts)`` from an earlier step's dump of the same tiny ``arch`` model."""
+    from .resolve import check_model
+    from .rollouts import check_model_identity, read_rollouts
+    from .tiny import build_tiny_checkpoint
+
+    model_dir = build_tiny_checkpoint(arch)
+    config, _ = check_model(model_dir)
+    header, _ = read_rollouts(dump)
+    check_model_identity(dump, header, model_dir)  # one-line error when the dump is of another model
+    _, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    return model_dir, config, rollouts
+
+
 def run_e2e(
     device: str, profile: str, *, arch: str = "qwen3", prompts: int = 16, tokens: int = 32, seed: int = 0,
-    out_dir: Path = Path("rlalign-e2e"),
+    out_dir: Path = Path("rlalign-e2e"), rollouts_from: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Sample, recompute per setting and the floor; ``{"rows", "problems", ...}`` for the JSON report."""
+    """Sample (or reuse ``rollouts_from``), recompute per setting and the floor; the JSON report's ``e2e``."""
     from ..profiles import get_profile
 
     t0 = time.time()
-    model_dir, config, rollouts = sample(device, arch, prompts, tokens, seed, out_dir)
+    if rollouts_from is not None:
+        model_dir, config, rollouts = reuse(rollouts_from, arch)
+    else:
+        model_dir, config, rollouts = sample(device, arch, prompts, tokens, seed, out_dir)
     if not rollouts:
         return {"rows": {}, "problems": ["e2e: the engine sampled nothing"], "profile": profile}
     hf = load_hf(model_dir).to(device)
