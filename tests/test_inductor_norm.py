@@ -76,6 +76,9 @@ def test_forward_bit_identical_to_engine_compiled_op(hidden: int) -> None:
             y, s = add(h, res, w, EPS, P.norm, round_residual=False, index=2)
             assert torch.equal(y, c_add(*_dyn(h, res), w)), (hidden, t, res.dtype)
             assert torch.equal(s, h.float() + res.float())
+        # the carried fp32 sum handed over whole (residual None), as the aligned layers do
+        y_sum, _ = add(h.float() + r, None, w, EPS, P.norm, round_residual=False, out_dtype=BF, index=2)
+        assert torch.equal(y_sum, c_add(*_dyn(h, r), w)), (hidden, t, "whole sum")
         assert torch.equal(rms(h, w, EPS, P.norm), c_norm(*_dyn(h), w))
         assert torch.equal(rms(h, w, EPS, P.norm, keep_fp32=True), c_qk(*_dyn(h), w))
     # one token: no size-1 specialisation (the engine's graph serves decode steps too)

@@ -127,6 +127,21 @@ def _backward(v, weight, gy, g_res, eps, rounding, out_dtype, options):
     return dv[:n].view(shape), dv32[:n].view(shape), gw
 
 
+def _kernel_inputs(h, residual, dtype: torch.dtype, store: bool):
+    """The kernel's inputs: a whole fp32 sum ``s`` (residual None) goes in as ``R(s)`` and ``s - R(s)``.
+
+    Both parts are exact and ``R(s) + (s - R(s)) == s`` in fp32, so the kernel forms the same ``s``; but it
+    then loads bf16, as the engine's kernel does (it re-forms the sum from bf16 layer outputs), and Inductor
+    tiles the reduction by 32 lanes instead of 16. The storing kernel reduces over its stored fp32 ``s``
+    (16 lanes) whatever its inputs.
+    """
+    if residual is not None or store or h.dtype != torch.float32 or dtype == torch.float32:
+        return h, residual
+    with torch.no_grad():
+        head = h.to(dtype)
+        return head, h - head.float()
+
+
 class _InductorAddRmsNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, residual, weight, eps, rounding, round_residual, out_dtype, options, store):  # type: ignore[override]
@@ -135,8 +150,18 @@ class _InductorAddRmsNormFn(torch.autograd.Function):
         ctx.eps, ctx.rounding, ctx.h_dtype, ctx.options = eps, rounding, h.dtype, options
         ctx.r_dtype = None if residual is None else residual.dtype
         fn = _add_norm_store_math if store else _add_norm_math
-        key = (store, h.dtype, ctx.r_dtype, weight.dtype, shape[-1], eps, rounding, dtype)
-        args = (_rows(h, n), _rows(residual, n), weight, eps, rounding, dtype)
+        h_k, r_k = _kernel_inputs(h, residual, dtype, store)
+        key = (
+            store,
+            h_k.dtype,
+            None if r_k is None else r_k.dtype,
+            weight.dtype,
+            shape[-1],
+            eps,
+            rounding,
+            dtype,
+        )
+        args = (_rows(h_k, n), _rows(r_k, n), weight, eps, rounding, dtype)
         with autocast_disabled(h):
             if store:
                 y, s = _run(fn, key, options, *args)
