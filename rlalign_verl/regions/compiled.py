@@ -16,6 +16,8 @@ Exactness, checked by ``tests/test_compiled_regions.py`` against the eager funct
   (default ``True`` returns the eager norms).
 
 ``apply_alignment(..., compile=True)`` uses the exact set (``swiglu``, ``apply_rope``) in the patched model.
+Norms bit-identical to the *engine's* compiled kernels (not to the eager functions) are
+:mod:`.inductor_norm` (``apply_alignment(..., compiled_norm=True)``).
 """
 
 from __future__ import annotations
