@@ -39,12 +39,15 @@ class AlignmentState:
     """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
     compiled_norm: bool = False
     """Norm forwards compiled by Inductor as the engine compiles them (:mod:`.regions.inductor_norm`)."""
+    unverified: tuple[str, ...] = ()
+    """Unverified profile data opted into, e.g. ``("moe",)`` (:mod:`rlalign_verl.unverified`)."""
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
         extra += f" attention={self.attention_variant}" if "attention" in self.regions else ""
         extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
         extra += " compiled_norm" if self.compiled_norm else ""
+        extra += f" unverified={','.join(self.unverified)}" if self.unverified else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere

@@ -9,7 +9,6 @@ per instance with the patcher's own ``bind``, so removal restores them with ever
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -19,6 +18,7 @@ from .errors import UnsupportedModelError
 from .families import ModelFamily
 from .profiles import HF, PROFILES, EngineProfile, MoeRounding
 from .regions.moe import mix_experts, route
+from .unverified import OPT_IN_HINT
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
 _ROUTER_FIELDS = ("router_softmax", "weights_dtype", "combine", "slot_sum_bf16_max_k")
@@ -34,9 +34,16 @@ _ROUTER_ATTRS = {
 
 
 def check_moe_config(
-    config: object, family: ModelFamily, profile: EngineProfile, regions: tuple[str, ...]
+    config: object,
+    family: ModelFamily,
+    profile: EngineProfile,
+    regions: tuple[str, ...],
+    unverified: tuple[str, ...] = (),
 ) -> None:
-    """One-line error for MoE settings the alignment cannot follow (raised before any patching)."""
+    """One-line error for MoE settings the alignment cannot follow (raised before any patching).
+
+    ``unverified``: the opted-in unverified profile data (:mod:`rlalign_verl.unverified`).
+    """
     if family.experts is None:
         return
     if profile.moe is None and {"swiglu", "moe"} & set(regions):
@@ -45,7 +52,7 @@ def check_moe_config(
             f"{family.model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
             f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
         )
-    check_unverified(family.model_type, profile, regions)
+    check_unverified(family.model_type, profile, regions, unverified)
     for attr, plain in _ROUTER_ATTRS.items():
         value = getattr(config, attr, None)
         if value not in plain:
@@ -56,25 +63,24 @@ def check_moe_config(
             )
 
 
-UNVERIFIED_ENV = "RLALIGN_UNVERIFIED"
-"""Comma list of unverified profile data the user opts into (``moe``: an MoE rounding read from source)."""
-
-
-def check_unverified_opt_in(model_type: str, profile: EngineProfile) -> None:
-    """One-line error unless ``RLALIGN_UNVERIFIED`` names ``moe`` (the profile's MoE data is unverified)."""
-    opted = {v.strip().lower() for v in os.environ.get(UNVERIFIED_ENV, "").split(",")}
-    if "moe" not in opted:
+def check_unverified_opt_in(
+    model_type: str, profile: EngineProfile, unverified: tuple[str, ...] = ()
+) -> None:
+    """One-line error unless ``unverified`` names ``moe`` (the profile's MoE data is unverified)."""
+    if "moe" not in unverified:
         raise UnsupportedModelError(
             f"{model_type}: profile {profile.name}'s MoE rounding is read from source and UNVERIFIED (not yet run "
-            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU checks it); opt in with "
-            f"{UNVERIFIED_ENV}=moe in every worker's environment, or align only rope,rmsnorm"
+            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU checks it); {OPT_IN_HINT}, "
+            f"or align only rope,rmsnorm"
         )
 
 
-def check_unverified(model_type: str, profile: EngineProfile, regions: tuple[str, ...]) -> None:
+def check_unverified(
+    model_type: str, profile: EngineProfile, regions: tuple[str, ...], unverified: tuple[str, ...] = ()
+) -> None:
     """The opt-in check where it applies: swiglu/moe aligned with a profile whose MoE data is unverified."""
     if profile.moe is not None and not profile.moe.verified and {"swiglu", "moe"} & set(regions):
-        check_unverified_opt_in(model_type, profile)
+        check_unverified_opt_in(model_type, profile, unverified)
 
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:

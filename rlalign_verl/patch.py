@@ -39,6 +39,7 @@ from .regions.attention import check_attention_supported
 from .regions.inductor_norm import check_compiled_norm
 from .regions.lm_head import head_forward, parse_head_dtype
 from .regions.residual_stream import Carry, carry_for
+from .unverified import resolve_unverified
 
 logger = logging.getLogger("rlalign_verl")
 
@@ -119,7 +120,7 @@ def _patch_instance(
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
     _check_not_liger(model, family)
-    check_moe_config(config, family, profile, regions)
+    check_moe_config(config, family, profile, regions, options.get("unverified", ()))
 
     current = _state(model)
     if current is not None:
@@ -172,7 +173,13 @@ _class_patch: dict[str, object] = {}
 _patched_models: weakref.WeakSet = weakref.WeakSet()
 
 
-def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compiled: bool, kernels: str) -> None:
+def _install_class_hooks(
+    regions: tuple[str, ...],
+    profile: EngineProfile,
+    compiled: bool,
+    kernels: str,
+    unverified: tuple[str, ...],
+) -> None:
     _remove_class_hooks()
     for family in FAMILIES.values():
         try:
@@ -183,7 +190,7 @@ def _install_class_hooks(regions: tuple[str, ...], profile: EngineProfile, compi
 
         def init(self, *args, _orig=original_init, **kwargs):
             _orig(self, *args, **kwargs)
-            _patch_instance(self, regions, profile, compiled, kernels)
+            _patch_instance(self, regions, profile, compiled, kernels, unverified=unverified)
             _patched_models.add(self)
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -236,6 +243,7 @@ def apply_alignment(
     attention: str = "engine-op",
     head_dtype: str | None = "float32",
     compiled_norm: bool = False,
+    unverified: Iterable[str] | str | None = None,
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
@@ -248,6 +256,9 @@ def apply_alignment(
     ``lm_head`` (``head_dtype``: the engine's head dtype, ``"float32"`` or ``"model"``; instance form only).
     ``compiled_norm=True`` (opt-in; profiles with ``norm_inductor`` options, i.e. ``vllm-cpu``) runs the norm
     forwards through Inductor with the engine's options and kernel shapes: bit-exact with the engine's kernels.
+    ``unverified``: profile data not yet checked against the engine that you opt into (``("moe",)``: the CUDA
+    profiles' MoE rounding, needed to align swiglu/moe of an MoE model with them); ``RLALIGN_UNVERIFIED=moe``
+    is an equivalent spelling, added to this.
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
@@ -258,14 +269,19 @@ def apply_alignment(
     kernels_ = resolve_kernels(kernels, compile=compile)
     compiled_norm = parse_bool(compiled_norm, name="compiled_norm")
     check_compiled_norm(profile, regions_t, compiled_norm)
-    options = {"attention_variant": attention, "head_dtype": parse_head_dtype(head_dtype), "compiled_norm": compiled_norm}
+    options = {
+        "attention_variant": attention,
+        "head_dtype": parse_head_dtype(head_dtype),
+        "compiled_norm": compiled_norm,
+        "unverified": resolve_unverified(unverified),
+    }
     if "attention" in regions_t:
         check_attention_supported(profile, attention)
     if model is None:
         if "lm_head" in regions_t:
             raise AlignmentError("the lm_head region needs a model: call apply_alignment(model, ...) on the built model")
         if regions_t:
-            _install_class_hooks(regions_t, profile, compile, kernels_)
+            _install_class_hooks(regions_t, profile, compile, kernels_, options["unverified"])
         else:
             _remove_class_hooks()
         return None
@@ -300,6 +316,7 @@ def aligned(
     attention: str = "engine-op",
     head_dtype: str | None = "float32",
     compiled_norm: bool = False,
+    unverified: Iterable[str] | str | None = None,
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = _state(model) if model is not None else None
@@ -312,6 +329,7 @@ def aligned(
         attention=attention,
         head_dtype=head_dtype,
         compiled_norm=compiled_norm,
+        unverified=unverified,
     )
     try:
         yield model
@@ -327,4 +345,5 @@ def aligned(
                 attention=previous.attention_variant,
                 head_dtype=previous.head_dtype,
                 compiled_norm=previous.compiled_norm,
+                unverified=previous.unverified,
             )

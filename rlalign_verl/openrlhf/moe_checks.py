@@ -55,9 +55,12 @@ def moe_model_type(argv: Sequence[str]) -> str | None:
     return family.model_type if family is not None and family.experts is not None else None
 
 
-def check_moe_parallel(regions: Sequence[str], argv: Sequence[str], profile: str | None = None) -> None:
+def check_moe_parallel(
+    regions: Sequence[str], argv: Sequence[str], profile: str | None = None, unverified: tuple[str, ...] = ()
+) -> None:
     """One-line error for expert parallel (swiglu/moe) or vLLM tensor parallel (moe) on an MoE model, and
-    for ``profile``'s unverified MoE data without the opt-in (checked here, before Ray, as in the workers)."""
+    for ``profile``'s unverified MoE data without the opt-in ``unverified`` (checked here, before Ray, as in
+    the workers)."""
     aligned = {"swiglu", "moe"} & set(regions)
     if not aligned:
         return
@@ -81,4 +84,4 @@ def check_moe_parallel(regions: Sequence[str], argv: Sequence[str], profile: str
         from ..moe_patch import check_unverified
         from ..profiles import get_profile
 
-        check_unverified(model_type, get_profile(profile), tuple(regions))
+        check_unverified(model_type, get_profile(profile), tuple(regions), unverified)

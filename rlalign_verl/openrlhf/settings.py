@@ -12,6 +12,9 @@ Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
 ``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the
                          rollout log-probs without turning on OpenRLHF's IS correction (the loss is
                          unchanged). Default false.
+``--alignment.unverified``  comma list of unverified profile data to use (``moe``: the vllm profiles' MoE
+                         rounding, read from vLLM's source, not yet checked on a GPU). Default: none;
+                         ``RLALIGN_UNVERIFIED=moe`` on the launcher is an equivalent spelling.
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
 """
 
@@ -27,6 +30,7 @@ from ..errors import AlignmentError, LigerConflictError, ProfileMismatchError
 from ..options import parse_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
+from ..unverified import UNVERIFIED_ENV, parse_unverified, resolve_unverified
 from .flags import check_spellings, spellings
 from .moe_checks import check_moe_parallel
 
@@ -38,7 +42,7 @@ ENV_AUTO = "RLALIGN_ENGINE_AUTO"
 ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO)
 
 FLAG_PREFIX = "--alignment."
-FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs")
+FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs", "unverified")
 
 # OpenRLHF flags the plugin reads (all spellings: rlalign_verl/openrlhf/flags.py).
 ENFORCE_EAGER_FLAGS = spellings("enforce_eager")
@@ -58,9 +62,14 @@ class Settings:
     collect_rollout_logprobs: bool = False
     auto: bool = False
     """``--alignment.engine auto``: each worker moves ``profile`` to its device's build (rlalign_verl.placement)."""
+    unverified: tuple[str, ...] = ()
+    """``--alignment.unverified``: unverified profile data opted into (rlalign_verl.unverified)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", normalize_regions(self.regions))
+        object.__setattr__(
+            self, "unverified", parse_unverified(self.unverified, name="--alignment.unverified")
+        )
         object.__setattr__(self, "profile", get_profile(self.profile).name)
 
     def to_env(self) -> dict[str, str]:
@@ -71,6 +80,9 @@ class Settings:
             ENV_METRICS: "1" if self.metrics else "0",
             ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
             ENV_AUTO: "1" if self.auto else "0",
+            UNVERIFIED_ENV: ",".join(
+                self.unverified
+            ),  # the workers read the resolved opt-in, not their own env
         }
 
     @classmethod
@@ -85,6 +97,7 @@ class Settings:
             metrics=parse_bool(env.get(ENV_METRICS, "1"), name=ENV_METRICS),
             collect_rollout_logprobs=parse_bool(env.get(ENV_COLLECT, "0"), name=ENV_COLLECT),
             auto=parse_bool(env.get(ENV_AUTO, "0"), name=ENV_AUTO),
+            unverified=parse_unverified(env.get(UNVERIFIED_ENV), name=UNVERIFIED_ENV),
         )
 
     def describe(self) -> str:
@@ -92,6 +105,7 @@ class Settings:
         return (
             f"regions={list(self.regions)} profile={self.profile}{auto} metrics={self.metrics} "
             f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
+            + (f" unverified={','.join(self.unverified)}" if self.unverified else "")
         )
 
 
@@ -203,6 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--alignment.collect_rollout_logprobs", dest="collect", nargs="?", const="true", default="false"
     )
+    p.add_argument("--alignment.unverified", dest="unverified", default="")
     p.add_argument("--address", dest="address", default=None)
     return p
 
@@ -226,13 +241,15 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     check_liger(regions, rest)
     check_opt_in(regions, profile)
-    check_moe_parallel(regions, rest, profile)
+    unverified = resolve_unverified(ns.unverified, name="--alignment.unverified")
+    check_moe_parallel(regions, rest, profile, unverified)
     settings = Settings(
         regions=regions,
         profile=profile,
         metrics=parse_bool(ns.metrics, name="--alignment.metrics"),
         collect_rollout_logprobs=parse_bool(ns.collect, name="--alignment.collect_rollout_logprobs"),
         auto=str(ns.engine).strip().lower() == "auto",
+        unverified=unverified,
     )
     return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
 

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import exit_on_error
-from ..moe_patch import UNVERIFIED_ENV
 from . import settings as settings_mod
 from .log import logger, warn_once
 from .settings import LaunchOptions, Settings, flag_value, parse_launcher_args, rollout_logprobs_requested
@@ -45,9 +44,7 @@ OPENRLHF_ENV_DEFAULTS = {
 def runtime_env(settings: Settings) -> dict[str, Any]:
     """The job runtime env: OpenRLHF's env vars, the plugin's settings and the worker setup hook."""
     env_vars = {key: os.environ.get(key, default) for key, default in OPENRLHF_ENV_DEFAULTS.items()}
-    env_vars.update(settings.to_env())
-    if UNVERIFIED_ENV in os.environ:  # the opt-in into unverified profile data must reach every worker
-        env_vars[UNVERIFIED_ENV] = os.environ[UNVERIFIED_ENV]
+    env_vars.update(settings.to_env())  # incl. the resolved --alignment.unverified opt-in
     return {"worker_process_setup_hook": HOOK, "env_vars": env_vars}
 
 

@@ -287,6 +287,13 @@ def _kernels(config: Any) -> str:
 _validated: dict[int, tuple[Any, tuple[tuple[str, ...], str | None]]] = {}
 
 
+def _unverified(config: Any) -> tuple[str, ...]:
+    """``alignment.unverified`` checked on the driver, joined with a ``RLALIGN_UNVERIFIED`` set here."""
+    from ..unverified import resolve_unverified
+
+    return resolve_unverified(plain(_select(config, "alignment.unverified")), name="alignment.unverified")
+
+
 def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | None) -> None:
     """attention: a profile whose attention can be reproduced; lm_head: one head dtype on both sides."""
     from .head_dtype import reconcile_head_dtype, write_worker_options
@@ -295,7 +302,7 @@ def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | 
         from ..regions.attention import check_attention_supported
 
         check_attention_supported(get_profile(profile), str(_select(config, "alignment.attention", "engine-op")))
-    write_worker_options(config, regions, reconcile_head_dtype(config, regions))
+    write_worker_options(config, regions, reconcile_head_dtype(config, regions), _unverified(config))
 
 
 def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[str, ...], str | None]:
@@ -341,7 +348,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                 check_expert_parallel(_select(config, EP_KEY, 1))
                 from ..moe_patch import check_unverified  # unverified MoE data: opt-in, checked before Ray
 
-                check_unverified(model_type, get_profile(profile), regions)
+                check_unverified(model_type, get_profile(profile), regions, _unverified(config))
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"

@@ -18,6 +18,8 @@ HEAD_DTYPE_KEY = "rlalign_head_dtype"
 """HF-config attribute (via ``model.override_config``) carrying the trainer's head dtype to the workers."""
 ATTENTION_KEY = "rlalign_attention"
 """HF-config attribute carrying ``alignment.attention`` (the attention region's variant) to the workers."""
+UNVERIFIED_KEY = "rlalign_unverified"
+"""HF-config attribute carrying ``alignment.unverified`` (opted-in unverified profile data) to the workers."""
 VLLM_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
 
@@ -88,8 +90,10 @@ def reconcile_head_dtype(config: Any, regions: tuple[str, ...]) -> str | None:
     return trainer
 
 
-def write_worker_options(config: Any, regions: tuple[str, ...], head: str | None) -> None:
-    """Put the head dtype and the attention variant where the actor and ref workers read them."""
+def write_worker_options(
+    config: Any, regions: tuple[str, ...], head: str | None, unverified: tuple[str, ...] = ()
+) -> None:
+    """Put the head dtype, the attention variant and the unverified opt-in where the actor and ref read them."""
     from omegaconf import OmegaConf, open_dict
 
     from .config import OVERRIDE_PATH
@@ -100,6 +104,9 @@ def write_worker_options(config: Any, regions: tuple[str, ...], head: str | None
     with open_dict(node):
         node.pop(HEAD_DTYPE_KEY, None)
         node.pop(ATTENTION_KEY, None)
+        node.pop(UNVERIFIED_KEY, None)
+        if regions and unverified:
+            node[UNVERIFIED_KEY] = list(unverified)
         if "lm_head" in regions and head is not None:
             node[HEAD_DTYPE_KEY] = head
         if "attention" in regions:

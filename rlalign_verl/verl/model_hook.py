@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import AlignmentError
 from ..wrap_once import wrap_once
 from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
-from .head_dtype import ATTENTION_KEY, HEAD_DTYPE_KEY
+from .head_dtype import ATTENTION_KEY, HEAD_DTYPE_KEY, UNVERIFIED_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -106,20 +106,24 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     return module
 
 
-def opt_in_options(hf_config: Any) -> dict[str, str]:
+def opt_in_options(hf_config: Any) -> dict[str, Any]:
     """``apply_alignment`` keywords of the opt-in regions that the driver put on the HF config."""
     out = {}
     if getattr(hf_config, ATTENTION_KEY, None):
         out["attention"] = str(getattr(hf_config, ATTENTION_KEY))
     if getattr(hf_config, HEAD_DTYPE_KEY, None):
         out["head_dtype"] = str(getattr(hf_config, HEAD_DTYPE_KEY))
+    raw = getattr(hf_config, UNVERIFIED_KEY, None)
+    if raw:
+        out["unverified"] = raw if isinstance(raw, str) else [str(v) for v in raw]
     return out
 
 
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
+    keys = (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY, HEAD_DTYPE_KEY, ATTENTION_KEY)
     for cfg in configs:
-        for key in (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY, HEAD_DTYPE_KEY, ATTENTION_KEY):
+        for key in (*keys, UNVERIFIED_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 
