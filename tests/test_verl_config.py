@@ -72,6 +72,7 @@ def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
         "kernels": "torch",
         "attention": "engine-op",
         "head_dtype": "float32",
+        "unverified": [],
     }
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
@@ -151,6 +152,7 @@ def test_cfg_job_subprocess():
             "kernels": "torch",
             "attention": "engine-op",
             "head_dtype": "float32",
+            "unverified": [],
         }
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,

@@ -99,8 +99,11 @@ def test_settings_travel_by_env_vars():
         "RLALIGN_METRICS": "0",
         "RLALIGN_COLLECT_ROLLOUT_LOGPROBS": "1",
         "RLALIGN_ENGINE_AUTO": "0",
+        "RLALIGN_UNVERIFIED": "",  # the resolved opt-in (none) overrides a worker's own env
     }
     assert Settings.from_env(env) == s
+    opted = Settings.from_env({**env, "RLALIGN_UNVERIFIED": "moe"})
+    assert opted == Settings(**{**s.__dict__, "unverified": ("moe",)})
     assert Settings.from_env({**env, "RLALIGN_ENGINE_AUTO": "1"}) == Settings(**{**s.__dict__, "auto": True})
     assert Settings.from_env({}) is None
     with pytest.raises(UnknownRegionError):
