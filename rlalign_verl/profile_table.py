@@ -64,7 +64,7 @@ def moe_cell(p: EngineProfile) -> str:
         f"{'top-k logits' if m.router_softmax == 'topk' else 'all experts'}, weights {m.weights_dtype}; "
         f"combine {combine}"
     )
-    return text if m.verified else f"UNVERIFIED, opt-in `RLALIGN_UNVERIFIED=moe`: {text}"
+    return text if m.verified else f"UNVERIFIED, opt-in `alignment.unverified=[moe]`: {text}"
 
 
 def _roundings(n: int) -> str:

@@ -27,7 +27,7 @@ class MoeRounding:
     down GEMM's fp32 accumulator, the slots then summed in slot order in bf16 (each add rounds) when
     ``top_k <= slot_sum_bf16_max_k``, else in fp32 with one rounding.
     ``verified``: False for data read from source and not yet checked against the engine's ops; such a
-    rounding is used only with the explicit opt-in ``RLALIGN_UNVERIFIED=moe`` (:mod:`..moe_patch`).
+    rounding is used only with the explicit opt-in ``unverified=("moe",)`` (:mod:`..unverified`).
     """
 
     expert_gemm: str = "bf16"
