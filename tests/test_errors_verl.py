@@ -67,7 +67,7 @@ BAD = {
     "key typo +alignment.compiled": (
         ["+alignment.compiled=true"], {}, None, ConfigFormatError, "did you mean alignment.compile?"
     ),
-    "unknown key": (["+alignment.speed=fast"], {}, None, ConfigFormatError, "valid keys: attention, compile, engine"),
+    "unknown key": (["+alignment.speed=fast"], {}, None, ConfigFormatError, "valid keys: attention, compile, compiled_norm, engine"),
     "metrics=maybe": (["alignment.metrics=maybe"], {}, None, ConfigFormatError, "alignment.metrics=false"),
     "metrics=2": (["alignment.metrics=2"], {}, None, ConfigFormatError, "alignment.metrics=true"),
     "compile=maybe": (["alignment.compile=maybe"], {}, None, ConfigFormatError, "alignment.compile=false"),

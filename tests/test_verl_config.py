@@ -73,6 +73,7 @@ def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
         "attention": "engine-op",
         "head_dtype": "float32",
         "unverified": [],
+        "compiled_norm": False,
     }
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
@@ -153,6 +154,7 @@ def test_cfg_job_subprocess():
             "attention": "engine-op",
             "head_dtype": "float32",
             "unverified": [],
+            "compiled_norm": False,
         }
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,

@@ -75,3 +75,19 @@ def test_attention_region_on_the_driver(path):
     assert _override(cfg)["rlalign_attention"] == "sdpa-fp32"
     with pytest.raises(AttentionUnsupportedError, match="FlashAttention"):
         validate_config(_cfg(path, "alignment.regions=[rope,attention]"), on_cuda=True)
+
+
+def test_compiled_norm_on_the_driver(path):
+    """alignment.compiled_norm reaches the workers' apply_alignment; refused where the engine compiles no norm."""
+    from types import SimpleNamespace
+
+    from rlalign_verl.errors import AlignmentError
+
+    cfg = _cfg(path, "alignment.regions=[rope,rmsnorm]", "alignment.compiled_norm=true")
+    assert validate_config(cfg, on_cuda=False)[1] == "vllm-cpu"
+    assert _override(cfg)["rlalign_compiled_norm"] is True
+    assert opt_in_options(SimpleNamespace(rlalign_compiled_norm=True)) == {"compiled_norm": True}
+    assert "rlalign_compiled_norm" not in _override(_cfg(path, "alignment.regions=[rope,rmsnorm]"))
+    with pytest.raises(AlignmentError, match="compiled_norm=False") as e:
+        validate_config(_cfg(path, "alignment.regions=[rmsnorm]", "alignment.compiled_norm=true"), on_cuda=True)
+    assert "\n" not in str(e.value)

@@ -302,6 +302,12 @@ def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | 
         from ..regions.attention import check_attention_supported
 
         check_attention_supported(get_profile(profile), str(_select(config, "alignment.attention", "engine-op")))
+    if _select(config, "alignment.compiled_norm"):
+        from ..options import parse_bool
+        from ..regions.inductor_norm import check_compiled_norm
+
+        on = parse_bool(_select(config, "alignment.compiled_norm"), name="alignment.compiled_norm")
+        check_compiled_norm(get_profile(profile), regions, on)
     write_worker_options(config, regions, reconcile_head_dtype(config, regions), _unverified(config))
 
 

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..options import parse_bool
+
 HEAD_DTYPE_KEY = "rlalign_head_dtype"
 """HF-config attribute (via ``model.override_config``) carrying the trainer's head dtype to the workers."""
 ATTENTION_KEY = "rlalign_attention"
 """HF-config attribute carrying ``alignment.attention`` (the attention region's variant) to the workers."""
 UNVERIFIED_KEY = "rlalign_unverified"
 """HF-config attribute carrying ``alignment.unverified`` (opted-in unverified profile data) to the workers."""
+COMPILED_NORM_KEY = "rlalign_compiled_norm"
+"""HF-config attribute carrying ``alignment.compiled_norm`` (set only when true) to the workers."""
 VLLM_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
 
@@ -107,7 +111,10 @@ def write_worker_options(
         node.pop(UNVERIFIED_KEY, None)
         if regions and unverified:
             node[UNVERIFIED_KEY] = list(unverified)
+        node.pop(COMPILED_NORM_KEY, None)
         if "lm_head" in regions and head is not None:
             node[HEAD_DTYPE_KEY] = head
         if "attention" in regions:
             node[ATTENTION_KEY] = str(_select(config, "alignment.attention") or "engine-op")
+        if parse_bool(_select(config, "alignment.compiled_norm") or False, name="alignment.compiled_norm"):
+            node[COMPILED_NORM_KEY] = True

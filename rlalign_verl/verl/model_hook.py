@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import AlignmentError
 from ..wrap_once import wrap_once
 from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
-from .head_dtype import ATTENTION_KEY, HEAD_DTYPE_KEY, UNVERIFIED_KEY
+from .head_dtype import ATTENTION_KEY, COMPILED_NORM_KEY, HEAD_DTYPE_KEY, UNVERIFIED_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -116,6 +116,8 @@ def opt_in_options(hf_config: Any) -> dict[str, Any]:
     raw = getattr(hf_config, UNVERIFIED_KEY, None)
     if raw:
         out["unverified"] = raw if isinstance(raw, str) else [str(v) for v in raw]
+    if getattr(hf_config, COMPILED_NORM_KEY, None):
+        out["compiled_norm"] = True
     return out
 
 
@@ -123,7 +125,7 @@ def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
     keys = (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY, HEAD_DTYPE_KEY, ATTENTION_KEY)
     for cfg in configs:
-        for key in (*keys, UNVERIFIED_KEY):
+        for key in (*keys, UNVERIFIED_KEY, COMPILED_NORM_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 
