@@ -36,7 +36,7 @@ from .options import parse_bool
 from .profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from .regions import normalize_regions
 from .regions.attention import check_attention_supported
-from .regions.inductor_norm import check_compiled_norm
+from .regions.inductor_norm import check_compiled_norm, check_compiled_norm_model
 from .regions.lm_head import head_forward, parse_head_dtype
 from .regions.residual_stream import Carry, carry_for
 from .unverified import resolve_unverified
@@ -121,6 +121,7 @@ def _patch_instance(
         raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
     _check_not_liger(model, family)
     check_moe_config(config, family, profile, regions, options.get("unverified", ()))
+    check_compiled_norm_model(model_type, bool(options.get("compiled_norm")))
 
     current = _state(model)
     if current is not None:

@@ -17,7 +17,12 @@ from rlalign_verl.errors import AlignmentError
 from rlalign_verl.profiles import get_profile
 from rlalign_verl.regions import rmsnorm
 from rlalign_verl.regions.compiled import inductor_available
-from rlalign_verl.regions.inductor_norm import check_compiled_norm, inductor_norms, stores_sum
+from rlalign_verl.regions.inductor_norm import (
+    check_compiled_norm,
+    check_compiled_norm_model,
+    inductor_norms,
+    stores_sum,
+)
 
 BF = torch.bfloat16
 EPS = 1e-6
@@ -184,3 +189,18 @@ def test_errors_are_one_line() -> None:
     with pytest.raises(AlignmentError, match="add rmsnorm"):
         check_compiled_norm(P, ("rope", "swiglu"), True)
     check_compiled_norm(get_profile("vllm"), ("rope",), False)  # off: nothing to check
+
+
+@pytest.mark.parametrize(
+    ("model_type", "refused"),
+    [("qwen2", False), ("qwen3", False), ("llama", False), ("qwen3_moe", True), ("qwen2_moe", True)],
+)
+def test_compiled_norm_per_model_type(model_type: str, refused: bool) -> None:
+    """MoE families are refused (stored-sum positions verified on dense models only); off checks nothing."""
+    check_compiled_norm_model(model_type, False)
+    if not refused:
+        check_compiled_norm_model(model_type, True)
+        return
+    with pytest.raises(AlignmentError, match="dense models only") as e:
+        check_compiled_norm_model(model_type, True)
+    assert "\n" not in str(e.value) and "qwen2, " in str(e.value)

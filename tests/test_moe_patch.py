@@ -207,3 +207,16 @@ def test_route_weights_and_grads_vs_float64(rounding: MoeRounding) -> None:
     w.backward(go.to(BF))
     wd.backward(go.double())
     assert (lg.grad.double() - ld.grad).norm() / ld.grad.norm() < 2e-2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_norm_is_refused_on_moe_before_patching(kind: str) -> None:
+    """The engine graph's stored-sum norm positions were read from dense models only: refused, nothing patched."""
+    from rlalign_verl.errors import AlignmentError
+
+    model = build(kind)
+    with pytest.raises(AlignmentError, match="dense models only") as e:
+        apply_alignment(model, engine="vllm-cpu", compiled_norm=True)
+    assert "\n" not in str(e.value) and "compiled_norm=False" in str(e.value)
+    assert get_alignment(model) is None
+    assert apply_alignment(model, engine="vllm-cpu") is model  # the verified default still applies

@@ -91,3 +91,18 @@ def test_compiled_norm_on_the_driver(path):
     with pytest.raises(AlignmentError, match="compiled_norm=False") as e:
         validate_config(_cfg(path, "alignment.regions=[rmsnorm]", "alignment.compiled_norm=true"), on_cuda=True)
     assert "\n" not in str(e.value)
+
+
+def test_compiled_norm_is_refused_for_moe_on_the_driver(tmp_path):
+    """An MoE checkpoint with alignment.compiled_norm=true: one line on the driver, before any worker starts."""
+    import json
+
+    from rlalign_verl.errors import AlignmentError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_act": "silu"}))
+    ok = _cfg(str(tmp_path), "alignment.regions=[rope,rmsnorm]")
+    assert validate_config(ok, on_cuda=False)[1] == "vllm-cpu"
+    bad = _cfg(str(tmp_path), "alignment.regions=[rope,rmsnorm]", "alignment.compiled_norm=true")
+    with pytest.raises(AlignmentError, match="dense models only") as e:
+        validate_config(bad, on_cuda=False)
+    assert "\n" not in str(e.value)

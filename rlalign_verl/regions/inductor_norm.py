@@ -212,6 +212,21 @@ def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], compil
         raise AlignmentError("compiled_norm=True needs the rmsnorm region; add rmsnorm to the regions")
 
 
+def check_compiled_norm_model(model_type: str, compiled_norm: bool) -> None:
+    """Refuse ``compiled_norm=True`` on MoE families in one line: their engine graph is not verified.
+
+    The norm positions where the engine's graph stores the residual sum were read from dense models only.
+    """
+    from ..families import FAMILIES, get_family
+
+    if compiled_norm and get_family(model_type).experts is not None:
+        dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
+        raise AlignmentError(
+            f"compiled_norm=True is verified for dense models only ({dense}), not {model_type}; "
+            "use compiled_norm=False for this model"
+        )
+
+
 def inductor_norms(profile: EngineProfile) -> tuple[Callable, Callable]:
     """``(rms_norm, add_rms_norm)`` with :mod:`.rmsnorm`'s signatures, forwards compiled as ``profile``'s engine.
 

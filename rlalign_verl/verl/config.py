@@ -355,6 +355,12 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                 from ..moe_patch import check_unverified  # unverified MoE data: opt-in, checked before Ray
 
                 check_unverified(model_type, get_profile(profile), regions, _unverified(config))
+                from ..options import parse_bool
+                from ..regions.inductor_norm import check_compiled_norm_model
+
+                cn_key = "alignment.compiled_norm"
+                cn = parse_bool(_select(config, cn_key) or False, name=cn_key)
+                check_compiled_norm_model(model_type, cn)
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"
