@@ -234,7 +234,7 @@ def layer_forward(st: AlignmentState) -> Callable:
         x, residual = add_norm(
             a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post, index=at + 1
         )
-        return hand_on(self.mlp(x), residual, carry, box, idx)
+        return hand_on(self.mlp(x), residual, carry, box, idx, x.dtype)
 
     return forward
 

@@ -84,12 +84,15 @@ def check_unverified(
 
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:
-    """The profile's expert rounding where swiglu is aligned and router/combine where moe is, HF's elsewhere."""
+    """The profile's expert rounding where swiglu is aligned and router/combine where moe is, HF's elsewhere;
+    an unrounded block sum only with rmsnorm too (the aligned layer hands it on; HF's layer would not)."""
     fields = {}
     if "swiglu" in regions:
         fields.update({f: getattr(profile_moe, f) for f in _EXPERT_FIELDS})
     if "moe" in regions:
         fields.update({f: getattr(profile_moe, f) for f in _ROUTER_FIELDS})
+        if "rmsnorm" in regions:
+            fields["block_sum"] = profile_moe.block_sum
     return dataclasses.replace(HF.moe, **fields)
 
 
@@ -112,6 +115,19 @@ def _router_forward(rounding: MoeRounding) -> Callable:
     return forward
 
 
+def _shared_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's sparse block with ``block_sum="fp32"``: ``R(sigmoid(gate)) * shared + routed`` in fp32."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    shared = self.shared_expert(x)
+    _, weights, experts = self.gate(x)
+    routed = self.experts(x, experts, weights)
+    gate = torch.sigmoid(self.shared_expert_gate(x))  # bf16: the engine stores the [T, 1] sigmoid
+    # .float(): Inductor fuses product and sum into the next add + RMSNorm kernel, never rounding them
+    out = gate.float() * shared.float() + routed.float()
+    return out.reshape(shape)
+
+
 def bind_moe(
     model: nn.Module,
     family: ModelFamily,
@@ -127,8 +143,11 @@ def bind_moe(
     router_cls = family.cls("router")
     experts_fwd = _experts_forward(rounding)
     router_fwd = _router_forward(rounding) if "moe" in regions else None
+    block_cls = family.cls("moe_block") if rounding.block_sum == "fp32" else ()
     for m in model.modules():
         if isinstance(m, experts_cls):
             bind(m, experts_fwd)
         elif router_fwd is not None and isinstance(m, router_cls):
             bind(m, router_fwd)
+        elif block_cls and isinstance(m, block_cls) and hasattr(m, "shared_expert_gate"):
+            bind(m, _shared_block_forward)

@@ -64,6 +64,8 @@ def moe_cell(p: EngineProfile) -> str:
         f"{'top-k logits' if m.router_softmax == 'topk' else 'all experts'}, weights {m.weights_dtype}; "
         f"combine {combine}"
     )
+    if m.block_sum == "fp32":
+        text += "; Qwen2-MoE shared + routed sum fp32 into the next add + norm"
     return text if m.verified else f"UNVERIFIED, opt-in `alignment.unverified=[moe]`: {text}"
 
 

@@ -26,6 +26,9 @@ class MoeRounding:
     ``R(sum_k w_k * d_k)`` with fp32 ``d_k`` (one rounding); "slot" = ``R(w_k * d_k)`` per slot from the
     down GEMM's fp32 accumulator, the slots then summed in slot order in bf16 (each add rounds) when
     ``top_k <= slot_sum_bf16_max_k``, else in fp32 with one rounding.
+    ``block_sum``: Qwen2-MoE's block output ``sigmoid(gate) * shared + routed`` "bf16" = each op's output
+    rounded (HF's eager ops), "fp32" = ``R(sigmoid(gate))`` times the bf16 shared output plus the bf16
+    routed output in fp32, handed on unrounded into the next add + RMSNorm (applied with rmsnorm aligned).
     ``verified``: False for data read from source and not yet checked against the engine's ops; such a
     rounding is used only with the explicit opt-in ``unverified=("moe",)`` (:mod:`..unverified`).
     """
@@ -36,6 +39,7 @@ class MoeRounding:
     weights_dtype: str = "bf16"
     combine: str = "bf16"
     slot_sum_bf16_max_k: int = 4
+    block_sum: str = "bf16"
     verified: bool = True
 
     def __post_init__(self) -> None:
@@ -46,6 +50,7 @@ class MoeRounding:
             and self.weights_dtype in ("bf16", "fp32")
             and self.combine in COMBINES
             and self.slot_sum_bf16_max_k >= 0
+            and self.block_sum in ("bf16", "fp32")
         )
         if not ok:
             raise ValueError(f"invalid MoeRounding {self}")
@@ -55,10 +60,12 @@ class MoeRounding:
 # outputs fp32, rounds silu(g)*u once, sums w_k*d_k in fp32; CPURouter._softmax_topk takes the top-k of
 # the bf16 logits and softmaxes those k. Eager: torch.softmax on bf16 rounds its output, then .float();
 # compiled: the router is inside the Inductor graph, which drops that bf16 round trip (weights stay fp32).
+# Compiled, Qwen2-MoE: Inductor fuses sigmoid(gate) * shared + routed into the next fused add + RMSNorm
+# kernel; only the [T, 1] sigmoid is stored (bf16), product and sums stay fp32 (docs/moe.md, block_sum).
 CPU_FUSED_MOE = MoeRounding(
     expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
 )
-CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32")
+CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32", block_sum="fp32")
 
 # vLLM CUDA, unquantized Triton path (both vllm and vllm-eager: the experts run inside the opaque
 # moe_forward op, so Inductor does not touch them). READ FROM SOURCE (vllm 0.31 line), NOT RUN ON A GPU:

@@ -29,6 +29,7 @@ VALUES = {
     "expert_gemm": ("bf16", "fp32"), "expert_act_roundings": (1, 2), "router_softmax": ("all", "topk"),
     "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32", "slot"),
     "slot_sum_bf16_max_k": (K, K - 1),  # top-k summed in bf16 (k <= max) or in fp32; only used by "slot"
+    "block_sum": ("bf16", "fp32"),  # Qwen2-MoE's shared + routed sum: test_every_block_sum_mutation_is_killed
 }  # fmt: skip
 NOT_ROUNDING = {"verified"}  # whether the data was checked against the engine: no number depends on it
 
@@ -156,6 +157,8 @@ def moe_mutations(moe) -> list[tuple[str, object]]:
     """``(field=value, mutated MoeRounding)`` for every other allowed value of every MoE field."""
     out = []
     for f, values in VALUES.items():
+        if f == "block_sum":
+            continue  # needs a shared expert (Qwen2-MoE): its own test below
         if f == "slot_sum_bf16_max_k":
             if moe.combine != "slot":
                 continue  # the field only applies to combine="slot" (its combine mutation is listed)
@@ -201,3 +204,75 @@ def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None
         assert all(s.split(":")[1].startswith("router_softmax") for s in survivors), survivors
     else:
         assert survivors == [], survivors
+
+
+def build_qwen2(seed: int = 0) -> torch.nn.Module:
+    """A one-layer tiny Qwen2-MoE (shared expert with its sigmoid gate), weights drawn as in :func:`build`."""
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=H, moe_intermediate_size=INTER, shared_expert_intermediate_size=64, intermediate_size=64,
+        num_experts=E, num_experts_per_tok=K, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=BF)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if "gate.weight" in name else 0.1) if p.dim() > 1 else p.normal_(1.0, 0.2)
+    return model.eval()
+
+
+def block_sum_check(model, profile) -> list[str]:
+    """Run ``model`` aligned (swiglu, rmsnorm, moe) to ``profile``; the block output against the spec of
+    the *unmutated* profile: ``block_sum`` "fp32" = F(R(sigmoid(g)) * shared + routed), else each op rounded."""
+    mlp, rec = model.model.layers[0].mlp, {}
+    hooks = [
+        mlp.shared_expert.register_forward_hook(lambda m, a, o: rec.update(shared=o)),
+        mlp.shared_expert_gate.register_forward_hook(lambda m, a, o: rec.update(g=o)),
+        mlp.experts.register_forward_hook(lambda m, a, o: rec.update(routed=o)),
+        mlp.register_forward_hook(lambda m, a, o: rec.update(out=o)),
+    ]
+    try:
+        apply_alignment(model, regions=("swiglu", "rmsnorm", "moe"), engine=profile)
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1)))
+    finally:
+        for h in hooks:
+            h.remove()
+        remove_alignment(model)
+    d = {k: v.detach().reshape(-1, v.shape[-1]).to(F64) for k, v in rec.items()}
+    sig = R(torch.sigmoid(d["g"]))  # F.sigmoid on bf16: stored in bf16 on both paths
+    if PROFILES[profile.name].moe.block_sum == "fp32":
+        want, dtype = F(sig * d["shared"] + d["routed"]), torch.float32  # bf16 x bf16 is exact in fp32
+    else:
+        want, dtype = R(R(sig * d["shared"]) + d["routed"]), BF
+    bad = [] if rec["out"].dtype == dtype else ["block/dtype"]
+    return bad + (["block/sum"] if mismatch(rec["out"], want) > 0 else [])
+
+
+def test_every_block_sum_mutation_is_killed(monkeypatch) -> None:
+    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
+    model, killed = build_qwen2(), 0
+    for name, p in PROFILES.items():
+        if p.moe is None:
+            continue
+        assert block_sum_check(model, p) == [], f"{name}: the original must pass (bit-exact)"
+        other = "bf16" if p.moe.block_sum == "fp32" else "fp32"
+        assert block_sum_check(model, dataclasses.replace(p, moe=dataclasses.replace(p.moe, block_sum=other)))
+        killed += 1
+    assert killed == 5 and PROFILES["vllm-cpu"].moe.block_sum == "fp32"
+
+
+def test_hand_on_fp32_block_output_is_exact() -> None:
+    """An fp32 MLP output in a bf16 layer: visible R(s) plus the carried remainder is the fp32 sum s exactly."""
+    from rlalign_verl.regions.residual_stream import Carry, ResidualCarry, hand_on
+
+    g = torch.Generator().manual_seed(3)
+    h, r = torch.randn(64, H, generator=g), (torch.randn(64, H, generator=g) * 8).to(BF)
+    for carry in (Carry.FP32_SUM, Carry.PAIR):
+        box = ResidualCarry()
+        visible = hand_on(h, r, carry, box, 0, BF)
+        s = h.to(F64) + r.to(F64)
+        assert visible.dtype == BF and torch.equal(visible.to(F64), R(s))
+        assert torch.equal(visible.to(F64) + box.take_last().to(F64), F(s))

@@ -137,9 +137,17 @@ def join(visible: torch.Tensor, rest: torch.Tensor | None) -> torch.Tensor:
 
 
 def hand_on(
-    hidden: torch.Tensor, residual: torch.Tensor, carry: Carry, box: ResidualCarry | None, layer_idx: int
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    carry: Carry,
+    box: ResidualCarry | None,
+    layer_idx: int,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The layer output ``R(hidden + residual)``; for ``PAIR``/``FP32_SUM`` the remainder goes to ``box``.
+
+    ``dtype``: the activation dtype (default ``hidden.dtype``); an fp32 ``hidden`` in a bf16 model (an MLP
+    output the engine never rounds, ``MoeRounding.block_sum="fp32"``) keeps an fp32 remainder.
 
     ``FP32_SUM``: the remainder ``s - R(s)`` of an fp32 sum is exact in fp32 and carries the fp32 gradient.
     ``PAIR``: ``hidden`` and ``residual`` are both bf16, and the rounding error of a sum of two bf16 values
@@ -148,15 +156,16 @@ def hand_on(
     engine's bf16 pair costs. Its gradient goes through the visible tensor only: the engine pair's
     ``h`` and ``r`` each receive the bf16 gradient ``R(g)`` there too.
     """
+    dtype = dtype or hidden.dtype
     s = hidden.float() + residual.float()  # the fp32 sum the engine's next norm forms
-    if carry is Carry.ROUNDED_SUM or hidden.dtype == torch.float32:
-        return s.to(hidden.dtype)
+    if carry is Carry.ROUNDED_SUM or dtype == torch.float32:
+        return s.to(dtype)
     if box is None:
         raise AlignmentError(
             f"decoder layer {layer_idx} was called without the residual carry the aligned base model passes "
             f"({CARRY_KWARG}); call the model (or model.model), not its decoder layers one by one"
         )
-    rest_dtype = hidden.dtype if carry is Carry.PAIR else torch.float32
-    visible, rest = _Split.apply(s, hidden.dtype, rest_dtype)
+    rest_dtype = dtype if carry is Carry.PAIR and hidden.dtype == dtype else torch.float32
+    visible, rest = _Split.apply(s, dtype, rest_dtype)
     box.put(layer_idx, rest)
     return visible
