@@ -130,3 +130,30 @@ def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
         s = floor._mlp(shared, x)
         out = torch.sigmoid(lin(x, m.shared_expert_gate.weight, None)) * s + out
     return out
+
+
+def _shared_sum_norm(gate, shared, routed, residual, weight, eps):
+    from torch.nn import functional as F
+
+    from .engine_ops import _native
+
+    # vLLM models/qwen2_moe.py::Qwen2MoeMLP.forward (F.sigmoid(expert_gate(x)) * out), then
+    # MoERunner: shared_output + fused_output, then the next layer's fused add + RMSNorm
+    h = F.sigmoid(gate) * shared + routed
+    return _native("fused_add_rms_norm")(h, residual, weight, eps)
+
+
+@torch.no_grad()
+def shared_sum_norm(
+    gate: torch.Tensor,
+    shared: torch.Tensor,
+    routed: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """The next norm's output after Qwen2-MoE's ``sigmoid(gate) * shared + routed`` as the engine runs it."""
+    fn = _compiled(_shared_sum_norm) if compiled else _shared_sum_norm
+    return fn(gate, shared, routed, residual.clone(), weight, eps)[0]
