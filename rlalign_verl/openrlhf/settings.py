@@ -15,6 +15,9 @@ Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
 ``--alignment.unverified``  comma list of unverified profile data to use (``moe``: the vllm profiles' MoE
                          rounding, read from vLLM's source, not yet checked on a GPU). Default: none;
                          ``RLALIGN_UNVERIFIED=moe`` on the launcher is an equivalent spelling.
+``--alignment.compiled_norm``  true | false: run the aligned norms compiled as the engine compiles them
+                         (``apply_alignment(compiled_norm=True)``; needs a profile with Inductor norm options,
+                         i.e. ``--alignment.engine vllm-cpu``, and a dense model). Default false.
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
 """
 
@@ -39,10 +42,11 @@ ENV_ENGINE = "RLALIGN_ENGINE"
 ENV_METRICS = "RLALIGN_METRICS"
 ENV_COLLECT = "RLALIGN_COLLECT_ROLLOUT_LOGPROBS"
 ENV_AUTO = "RLALIGN_ENGINE_AUTO"
-ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO)
+ENV_COMPILED_NORM = "RLALIGN_COMPILED_NORM"
+ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO, ENV_COMPILED_NORM)
 
 FLAG_PREFIX = "--alignment."
-FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs", "unverified")
+FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs", "unverified", "compiled_norm")
 
 # OpenRLHF flags the plugin reads (all spellings: rlalign_verl/openrlhf/flags.py).
 ENFORCE_EAGER_FLAGS = spellings("enforce_eager")
@@ -64,6 +68,8 @@ class Settings:
     """``--alignment.engine auto``: each worker moves ``profile`` to its device's build (rlalign_verl.placement)."""
     unverified: tuple[str, ...] = ()
     """``--alignment.unverified``: unverified profile data opted into (rlalign_verl.unverified)."""
+    compiled_norm: bool = False
+    """``--alignment.compiled_norm``: the workers' norms compiled as the engine compiles them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", normalize_regions(self.regions))
@@ -80,6 +86,7 @@ class Settings:
             ENV_METRICS: "1" if self.metrics else "0",
             ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
             ENV_AUTO: "1" if self.auto else "0",
+            ENV_COMPILED_NORM: "1" if self.compiled_norm else "0",
             UNVERIFIED_ENV: ",".join(
                 self.unverified
             ),  # the workers read the resolved opt-in, not their own env
@@ -98,6 +105,7 @@ class Settings:
             collect_rollout_logprobs=parse_bool(env.get(ENV_COLLECT, "0"), name=ENV_COLLECT),
             auto=parse_bool(env.get(ENV_AUTO, "0"), name=ENV_AUTO),
             unverified=parse_unverified(env.get(UNVERIFIED_ENV), name=UNVERIFIED_ENV),
+            compiled_norm=parse_bool(env.get(ENV_COMPILED_NORM, "0"), name=ENV_COMPILED_NORM),
         )
 
     def describe(self) -> str:
@@ -106,6 +114,7 @@ class Settings:
             f"regions={list(self.regions)} profile={self.profile}{auto} metrics={self.metrics} "
             f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
             + (f" unverified={','.join(self.unverified)}" if self.unverified else "")
+            + (" compiled_norm" if self.compiled_norm else "")
         )
 
 
@@ -181,6 +190,17 @@ def check_opt_in(regions: Sequence[str], profile: str) -> None:
         check_attention_supported(get_profile(profile))
 
 
+def check_compiled_norm_flag(regions: Sequence[str], profile: str, on: bool, argv: Sequence[str]) -> None:
+    """``--alignment.compiled_norm``: a profile whose engine compiles its norms, rmsnorm aligned, a dense model."""
+    from ..regions.inductor_norm import check_compiled_norm, check_compiled_norm_model
+    from .moe_checks import moe_model_type
+
+    check_compiled_norm(get_profile(profile), tuple(regions), on)
+    model_type = moe_model_type(argv)
+    if model_type is not None:
+        check_compiled_norm_model(model_type, on)
+
+
 def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
     """Refuse Liger kernels together with alignment: both replace the same forwards."""
     if regions and switch_on(argv, LIGER_FLAGS):
@@ -218,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
         "--alignment.collect_rollout_logprobs", dest="collect", nargs="?", const="true", default="false"
     )
     p.add_argument("--alignment.unverified", dest="unverified", default="")
+    p.add_argument("--alignment.compiled_norm", dest="compiled_norm", nargs="?", const="true", default="false")
     p.add_argument("--address", dest="address", default=None)
     return p
 
@@ -243,6 +264,8 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     check_opt_in(regions, profile)
     unverified = resolve_unverified(ns.unverified, name="--alignment.unverified")
     check_moe_parallel(regions, rest, profile, unverified)
+    compiled_norm = parse_bool(ns.compiled_norm, name="--alignment.compiled_norm")
+    check_compiled_norm_flag(regions, profile, compiled_norm, rest)
     settings = Settings(
         regions=regions,
         profile=profile,
@@ -250,6 +273,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
         collect_rollout_logprobs=parse_bool(ns.collect, name="--alignment.collect_rollout_logprobs"),
         auto=str(ns.engine).strip().lower() == "auto",
         unverified=unverified,
+        compiled_norm=compiled_norm,
     )
     return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
 

@@ -144,7 +144,13 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     if profile is None:
         profile = placed_profile(settings, worker_device_type(hf_model))
-    apply_alignment(hf_model, regions=settings.regions, engine=profile, unverified=settings.unverified)
+    apply_alignment(
+        hf_model,
+        regions=settings.regions,
+        engine=profile,
+        unverified=settings.unverified,
+        compiled_norm=settings.compiled_norm,
+    )
     state = get_alignment(hf_model)
     logger.info(
         "aligned %s for %s (pid %d): %s",

@@ -43,6 +43,12 @@ BAD = {
                                            "use --algo.advantage.is_correction_threshold"),
     "flat --use_liger_kernel": (["--alignment.regions", "rope", "--use_liger_kernel"], "ConfigFormatError",
                                 "use --ds.use_liger_kernel"),
+    "compiled_norm on a CUDA profile": (["--alignment.regions", "rmsnorm", "--alignment.compiled_norm"],
+                                        "AlignmentError", "compiled_norm=False"),
+    "compiled_norm without rmsnorm": (["--alignment.regions", "rope", "--alignment.engine", "vllm-cpu",
+                                       "--alignment.compiled_norm=true"], "AlignmentError", "add rmsnorm"),
+    "compiled_norm=maybe": (["--alignment.compiled_norm", "maybe"], "ConfigFormatError",
+                            "--alignment.compiled_norm=false"),
     "liger with alignment": (["--alignment.regions", "rope", "--ds.use_liger_kernel"], "LigerConflictError",
                              "drop --ds.use_liger_kernel"),
 }  # fmt: skip

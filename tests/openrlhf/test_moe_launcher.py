@@ -104,3 +104,15 @@ def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monke
     monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
     opts = parse_launcher_args(argv)
     assert runtime_env(opts.settings)["env_vars"]["RLALIGN_UNVERIFIED"] == "moe"
+
+
+def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
+    """compiled_norm is verified on dense models only: an MoE checkpoint is refused by the launcher."""
+    from rlalign_verl.errors import AlignmentError
+
+    argv = ["--alignment.regions", "rope,rmsnorm", "--alignment.engine", "vllm-cpu", "--alignment.compiled_norm"]
+    with pytest.raises(AlignmentError, match="dense models only") as e:
+        parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")])
+    assert "\n" not in str(e.value)
+    dense = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2")])
+    assert dense.settings.compiled_norm is True

@@ -167,3 +167,16 @@ def test_aligned_actor_under_deepspeed_zero3_matches(tiny_qwen2):
     diffs = json.loads(result.stdout.strip().splitlines()[-1])
     assert diffs["zero3_vs_plain"] == 0.0
     assert diffs["aligned_vs_unaligned"] > 1e-4
+
+
+def test_compiled_norm_setting_reaches_apply_alignment(plugin_ray, tiny_qwen2):
+    """--alignment.compiled_norm: the Actor's model is aligned with compiled_norm=True (off: False)."""
+    from openrlhf.models import Actor
+    from rlalign_openrlhf_testkit import plugin_settings
+
+    for on in (True, False):
+        regions = ("rope", "swiglu", "rmsnorm")
+        settings = Settings(regions=regions, profile="vllm-cpu", metrics=False, compiled_norm=on)
+        with plugin_settings(settings):
+            actor = Actor(str(tiny_qwen2), attn_implementation="sdpa", param_dtype="bf16")
+        assert get_alignment(actor.model).compiled_norm is on

@@ -99,6 +99,7 @@ def test_settings_travel_by_env_vars():
         "RLALIGN_METRICS": "0",
         "RLALIGN_COLLECT_ROLLOUT_LOGPROBS": "1",
         "RLALIGN_ENGINE_AUTO": "0",
+        "RLALIGN_COMPILED_NORM": "0",
         "RLALIGN_UNVERIFIED": "",  # the resolved opt-in (none) overrides a worker's own env
     }
     assert Settings.from_env(env) == s
@@ -106,6 +107,8 @@ def test_settings_travel_by_env_vars():
     assert opted == Settings(**{**s.__dict__, "unverified": ("moe",)})
     assert Settings.from_env({**env, "RLALIGN_ENGINE_AUTO": "1"}) == Settings(**{**s.__dict__, "auto": True})
     assert Settings.from_env({}) is None
+    cn = Settings.from_env({**env, "RLALIGN_COMPILED_NORM": "1"})
+    assert cn == Settings(**{**s.__dict__, "compiled_norm": True}) and "compiled_norm" in cn.describe()
     with pytest.raises(UnknownRegionError):
         Settings.from_env({**env, "RLALIGN_REGIONS": "rope,bogus"})
 
@@ -215,3 +218,13 @@ def test_install_is_import_light_and_patches_modules_when_imported():
     lines = result.stdout.strip().splitlines()
     assert lines[0] == "[]"
     assert lines[-1] == "True True 1 True"
+
+
+def test_compiled_norm_flag_reaches_the_worker_settings():
+    """--alignment.compiled_norm with the compiled CPU profile: parsed, carried by env, off by default."""
+    argv = ["--alignment.regions", "all", "--alignment.engine", "vllm-cpu", "--alignment.compiled_norm"]
+    on = parse_launcher_args(argv).settings
+    assert on.compiled_norm is True and on.to_env()["RLALIGN_COMPILED_NORM"] == "1"
+    assert Settings.from_env(on.to_env()) == on
+    assert parse_launcher_args(argv[:4]).settings.compiled_norm is False
+    assert parse_launcher_args([*argv, "false"]).settings.compiled_norm is False
