@@ -180,6 +180,7 @@ def _install_class_hooks(
     compiled: bool,
     kernels: str,
     unverified: tuple[str, ...],
+    **options: str | bool,
 ) -> None:
     _remove_class_hooks()
     for family in FAMILIES.values():
@@ -191,7 +192,7 @@ def _install_class_hooks(
 
         def init(self, *args, _orig=original_init, **kwargs):
             _orig(self, *args, **kwargs)
-            _patch_instance(self, regions, profile, compiled, kernels, unverified=unverified)
+            _patch_instance(self, regions, profile, compiled, kernels, unverified=unverified, **options)
             _patched_models.add(self)
 
         init.__wrapped__ = original_init  # type: ignore[attr-defined]
@@ -282,7 +283,8 @@ def apply_alignment(
         if "lm_head" in regions_t:
             raise AlignmentError("the lm_head region needs a model: call apply_alignment(model, ...) on the built model")
         if regions_t:
-            _install_class_hooks(regions_t, profile, compile, kernels_, options["unverified"])
+            opts = {k: options[k] for k in ("attention_variant", "compiled_norm")}  # lm_head: refused above
+            _install_class_hooks(regions_t, profile, compile, kernels_, options["unverified"], **opts)
         else:
             _remove_class_hooks()
         return None
