@@ -54,14 +54,19 @@ def main() -> None:
     except ImportError:
         DataProto = calculate_debug_metrics = None
 
-    print(f"batch [{args.batch}, {args.length}], torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"batch [{args.batch}, {args.length}], torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     print(f"{'device':<7} {'train dtype':<12} {'what':<34} {'median ms':>10} {'min ms':>8}")
     for device in devices:
         for dtype in (torch.float32, torch.bfloat16):
             train, rollout, mask = make_batch(args.batch, args.length, dtype, device)
             n_valid = int(mask.sum())
             cases: list[tuple[str, Callable[[], object]]] = [
-                ("mismatch/* (all keys)", lambda a=train, b=rollout, m=mask: compute_mismatch_metrics(a, b, m)),
+                (
+                    "mismatch/* (all keys)",
+                    lambda a=train, b=rollout, m=mask: compute_mismatch_metrics(a, b, m),
+                ),
                 (
                     "mismatch/* quantiles=False",
                     lambda a=train, b=rollout, m=mask: compute_mismatch_metrics(a, b, m, quantiles=False),
@@ -70,14 +75,22 @@ def main() -> None:
             if DataProto is not None:
                 responses = torch.zeros_like(mask)
                 data = DataProto.from_dict(
-                    {"old_log_probs": train.float(), "rollout_log_probs": rollout, "response_mask": mask,
-                     "responses": responses}
+                    {
+                        "old_log_probs": train.float(),
+                        "rollout_log_probs": rollout,
+                        "response_mask": mask,
+                        "responses": responses,
+                    }
                 )
-                cases.append(("verl calculate_debug_metrics", lambda data=data: calculate_debug_metrics(data)))
+                cases.append(
+                    ("verl calculate_debug_metrics", lambda data=data: calculate_debug_metrics(data))
+                )
             for what, fn in cases:
                 t = timed(fn, device, args.repeat)
-                print(f"{device:<7} {str(dtype).replace('torch.', ''):<12} {what:<34} "
-                      f"{statistics.median(t):>10.1f} {min(t):>8.1f}")
+                print(
+                    f"{device:<7} {str(dtype).replace('torch.', ''):<12} {what:<34} "
+                    f"{statistics.median(t):>10.1f} {min(t):>8.1f}"
+                )
         print(f"({device}: {n_valid} valid tokens of {args.batch * args.length})")
 
 

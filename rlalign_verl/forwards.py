@@ -75,7 +75,9 @@ def region_fns(st: AlignmentState) -> tuple[Callable, Callable]:
         fns = compiled_regions(st.profile, exact=True)
         if "rope" in st.regions:  # compiled with the profile's rounding: only where rope is aligned
             return fns.swiglu, fns.apply_rope
-        return fns.swiglu, lambda q, k, cos, sin, out_dtype: apply_rope(q, k, cos, sin, st.rope, out_dtype=out_dtype)
+        return fns.swiglu, lambda q, k, cos, sin, out_dtype: apply_rope(
+            q, k, cos, sin, st.rope, out_dtype=out_dtype
+        )
 
     triton = st.kernels == "triton"
 
@@ -112,7 +114,9 @@ def mlp_forward(swiglu_fn: Callable) -> Callable:
     return forward
 
 
-def attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module, rope_fn: Callable) -> Callable:
+def attention_forward(
+    st: AlignmentState, family: ModelFamily, rotary: nn.Module, rope_fn: Callable
+) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager_attention = family.module().eager_attention_forward
@@ -141,8 +145,12 @@ def attention_forward(st: AlignmentState, family: ModelFamily, rotary: nn.Module
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if family.qk_norm:
             if norm_on:
-                q = qk_norm(q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
-                k = qk_norm(k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope)
+                q = qk_norm(
+                    q, self.q_norm.weight, self.q_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope
+                )
+                k = qk_norm(
+                    k, self.k_norm.weight, self.k_norm.variance_epsilon, st.norm, keep_fp32=fuse_qk_rope
+                )
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -232,7 +240,13 @@ def layer_forward(st: AlignmentState) -> Callable:
             **kwargs,
         )
         x, residual = add_norm(
-            a, residual, ln_post.weight, ln_post.variance_epsilon, st.norm, round_residual=round_at_post, index=at + 1
+            a,
+            residual,
+            ln_post.weight,
+            ln_post.variance_epsilon,
+            st.norm,
+            round_residual=round_at_post,
+            index=at + 1,
         )
         return hand_on(self.mlp(x), residual, carry, box, idx, x.dtype)
 
@@ -273,10 +287,14 @@ def final_norm_forward(st: AlignmentState) -> Callable:
         box = self.__dict__.get(CARRY_ATTR)
         h = join(hidden_states, box.take_last() if box is not None else None)
         y, _ = add_norm(  # the final norm's position (2 x layers) is even: never one that stores the sum
-            h, None, self.weight, self.variance_epsilon, st.norm, round_residual=True, out_dtype=hidden_states.dtype
+            h,
+            None,
+            self.weight,
+            self.variance_epsilon,
+            st.norm,
+            round_residual=True,
+            out_dtype=hidden_states.dtype,
         )
         return y
 
     return forward
-
-

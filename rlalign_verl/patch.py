@@ -47,7 +47,6 @@ _STATE_ATTR = "_rlalign_state"
 _SAVED_FORWARD = SAVED_FORWARD
 
 
-
 # --- instance patching -------------------------------------------------------------------------
 
 
@@ -76,14 +75,20 @@ def _check_not_liger(model: nn.Module, family: ModelFamily) -> None:
     offenders = []
     for name, m in model.named_modules():
         fwd = m.__dict__.get("forward")
-        if _is_liger(type(m)) or _is_liger(type(m).forward) or (fwd is not None and _is_liger(getattr(fwd, "__func__", fwd))):
+        if (
+            _is_liger(type(m))
+            or _is_liger(type(m).forward)
+            or (fwd is not None and _is_liger(getattr(fwd, "__func__", fwd)))
+        ):
             offenders.append(name or type(m).__name__)
     rope_fn = getattr(family.module(), "apply_rotary_pos_emb", None)
     if _is_liger(rope_fn):
         offenders.append(f"{family.modeling_module}.apply_rotary_pos_emb")
     if offenders:
         raise LigerConflictError(
-            "this model was patched by Liger kernels (" + ", ".join(offenders[:3]) + (" ..." if len(offenders) > 3 else "")
+            "this model was patched by Liger kernels ("
+            + ", ".join(offenders[:3])
+            + (" ..." if len(offenders) > 3 else "")
             + "), which replace the same RoPE/RMSNorm/SwiGLU forwards with their own rounding; build the model "
             "without Liger (verl: actor_rollout_ref.model.use_liger=False; OpenRLHF: drop --use_liger_kernel) "
             "or turn alignment off"
@@ -151,10 +156,14 @@ def _patch_instance(
         _bind(base.norm, final_norm_forward(st))
         if carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a per-forward carry
             _bind(base, base_model_forward(_SAVED_FORWARD))
-    if "lm_head" in regions and st.head_dtype == "float32":  # head_dtype "model": HF's bf16 head is the engine's
+    if (
+        "lm_head" in regions and st.head_dtype == "float32"
+    ):  # head_dtype "model": HF's bf16 head is the engine's
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, nn.Linear):
-            raise UnsupportedModelError(f"the lm_head region needs the *ForCausalLM model, not {type(model).__name__}")
+            raise UnsupportedModelError(
+                f"the lm_head region needs the *ForCausalLM model, not {type(model).__name__}"
+            )
         _bind(head, head_forward(cuda_path=profile.device == "cuda"))
     model.__dict__[_STATE_ATTR] = st
     if base is not model:
@@ -281,7 +290,9 @@ def apply_alignment(
         check_attention_supported(profile, attention)
     if model is None:
         if "lm_head" in regions_t:
-            raise AlignmentError("the lm_head region needs a model: call apply_alignment(model, ...) on the built model")
+            raise AlignmentError(
+                "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
+            )
         if regions_t:
             opts = {k: options[k] for k in ("attention_variant", "compiled_norm")}  # lm_head: refused above
             _install_class_hooks(regions_t, profile, compile, kernels_, options["unverified"], **opts)

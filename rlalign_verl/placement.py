@@ -70,7 +70,11 @@ def profile_for_device(
     other = DEVICE_COUNTERPART.get((prof.name, device_type))
     if auto and other is not None:
         return get_profile(other)
-    fix = f"alignment.engine={other} (or auto)" if other else "alignment.engine=auto or a profile for this device"
+    fix = (
+        f"alignment.engine={other} (or auto)"
+        if other
+        else "alignment.engine=auto or a profile for this device"
+    )
     where = "a CPU-only worker" if device_type == "cpu" else f"a {device_type.upper()} worker"
     raise ProfileMismatchError(
         f"profile {prof.name} mirrors the {prof.engine} {prof.device.upper()} build but this model runs on {where}; "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Render the engine-profile table from rlalign_verl/profiles.py into README.md and docs/engine-profiles.md.
 
-    python scripts/profile_table.py --write   # rewrite the generated blocks
-    python scripts/profile_table.py --check   # exit 1 naming each document whose table is stale
+python scripts/profile_table.py --write   # rewrite the generated blocks
+python scripts/profile_table.py --check   # exit 1 naming each document whose table is stale
 """
 
 from __future__ import annotations

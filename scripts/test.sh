@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check rlalign_verl tests benchmarks scripts
+.venv/bin/ruff format --check rlalign_verl tests benchmarks scripts
 .venv/bin/python -m pytest tests "$@"
 if [ -f scripts/test_openrlhf.sh ]; then
     bash scripts/test_openrlhf.sh

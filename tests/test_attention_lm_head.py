@@ -18,7 +18,9 @@ from rlalign_verl.regions.lm_head import Fp32HeadFn, HeadDtypeError
 
 BF = torch.bfloat16
 HQ, HKV, D = 3, 1, 64
-engine_op = pytest.mark.skipif(not A.engine_op_available()[0], reason="vLLM's CPU attention op is not installed")
+engine_op = pytest.mark.skipif(
+    not A.engine_op_available()[0], reason="vLLM's CPU attention op is not installed"
+)
 
 
 def _qkv(n: int, seed: int = 0):
@@ -153,7 +155,9 @@ def test_fp32_head_logits_and_grads() -> None:
     (out * gy).sum().backward()
     hd, wd = h.detach().double(), w.detach().double()
     assert torch.allclose(h.grad.double(), (gy.double() @ wd), rtol=2**-7, atol=1e-3)
-    assert torch.allclose(w.grad.double(), gy.double().reshape(-1, 288).t() @ hd.reshape(-1, 160), rtol=2**-7, atol=1e-2)
+    assert torch.allclose(
+        w.grad.double(), gy.double().reshape(-1, 288).t() @ hd.reshape(-1, 160), rtol=2**-7, atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -185,7 +189,9 @@ def test_attention_region_on_model(variant: str) -> None:
     ref = model(input_ids=ids).logits
     apply_alignment(model, regions="rope,swiglu,rmsnorm", engine="vllm-cpu-eager")
     three = model(input_ids=ids).logits
-    apply_alignment(model, regions="rope,swiglu,rmsnorm,attention", engine="vllm-cpu-eager", attention=variant)
+    apply_alignment(
+        model, regions="rope,swiglu,rmsnorm,attention", engine="vllm-cpu-eager", attention=variant
+    )
     assert get_alignment(model).attention_variant == variant
     out = model(input_ids=ids).logits
     assert not torch.equal(out, three)
@@ -200,7 +206,9 @@ def test_attention_region_on_model(variant: str) -> None:
     assert torch.equal(model(input_ids=ids).logits, ref)
 
 
-@pytest.mark.parametrize("regions,match", [("rope,lm_head", "head_dtype"), ("rope,attention", "FlashAttention")])
+@pytest.mark.parametrize(
+    "regions,match", [("rope,lm_head", "head_dtype"), ("rope,attention", "FlashAttention")]
+)
 def test_openrlhf_refuses_opt_in_regions_it_cannot_align(regions: str, match: str) -> None:
     from rlalign_verl.errors import AlignmentError
     from rlalign_verl.openrlhf.settings import parse_launcher_args

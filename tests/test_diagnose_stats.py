@@ -71,13 +71,19 @@ def test_overlapping_intervals_name_the_cheaper_setting():
 
 
 def test_everything_within_noise_of_none_recommends_nothing():
-    res = {"none": _row(0.10, (), 0.08, 0.12), "all": _row(0.095, ("rope", "swiglu", "rmsnorm"), 0.075, 0.115)}
+    res = {
+        "none": _row(0.10, (), 0.08, 0.12),
+        "all": _row(0.095, ("rope", "swiglu", "rmsnorm"), 0.075, 0.115),
+    }
     rec = recommend(res, None)
     assert rec["regions"] == [] and "within noise" in rec["text"]
 
 
 def test_below_the_floor_is_at_the_floor_not_better():
     floor = _row(0.0371, (), 0.0354, 0.0390)
-    assert floor_relation(_row(0.03616, ("rope", "rmsnorm"), 0.03435, 0.03811), floor) == "at floor (within noise)"
+    assert (
+        floor_relation(_row(0.03616, ("rope", "rmsnorm"), 0.03435, 0.03811), floor)
+        == "at floor (within noise)"
+    )
     assert floor_relation(_row(0.05, ("rope",), 0.048, 0.052), floor) == "above floor"
     assert floor_relation(_row(0.05, ("rope",)), None) is None

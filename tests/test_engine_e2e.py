@@ -45,7 +45,9 @@ def mean_abs_gap(ours: list[torch.Tensor], rollouts) -> float:
 def test_aligned_gap_is_clearly_smaller(engine_rollouts, arch: str, mode: str) -> None:
     run = engine_rollouts(arch, mode)
     assert run.header.profile == PROFILE_FOR_MODE[mode], "the engine run says which profile it follows"
-    model = AutoModelForCausalLM.from_pretrained(run.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        run.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     base = mean_abs_gap(hf_logprobs(model, run.rollouts), run.rollouts)
     gaps = {}
     for profile in ("vllm-cpu", "vllm-cpu-eager"):
@@ -53,7 +55,10 @@ def test_aligned_gap_is_clearly_smaller(engine_rollouts, arch: str, mode: str) -
         gaps[profile] = mean_abs_gap(hf_logprobs(model, run.rollouts), run.rollouts)
         remove_alignment(model)
     matching = gaps[PROFILE_FOR_MODE[mode]]
-    print(f"\n{arch}/{mode}: mean|dlogp| unaligned {base:.5f}  " + "  ".join(f"{k} {v:.5f}" for k, v in gaps.items()))
+    print(
+        f"\n{arch}/{mode}: mean|dlogp| unaligned {base:.5f}  "
+        + "  ".join(f"{k} {v:.5f}" for k, v in gaps.items())
+    )
     assert matching < 0.9 * base, (base, gaps)
     # the matching profile beats the other execution path's profile
     other = gaps[PROFILE_FOR_MODE["eager" if mode == "compiled" else "compiled"]]

@@ -62,7 +62,9 @@ def test_rms_norm_vs_vllm(profile: str, hidden: int) -> None:
     y_eng, res_eng = eo.rms_norm(h, w, EPS, residual=r, compiled=compiled)
     y_us, res_us = add_rms_norm(h, r, w, EPS, p.norm, round_residual=True)
     frac = identical(y_us, y_eng)
-    print(f"{profile} hidden={hidden}: rms_norm {y_plain:.6f}, fused_add_rms_norm {frac:.6f} identical, max {ulps(y_us, y_eng)} ulp")
+    print(
+        f"{profile} hidden={hidden}: rms_norm {y_plain:.6f}, fused_add_rms_norm {frac:.6f} identical, max {ulps(y_us, y_eng)} ulp"
+    )
     assert torch.equal(res_us, res_eng), "the residual is a plain sum: always bit-identical"
     assert min(y_plain, frac) >= NORM_MIN_IDENTICAL[profile]
     assert ulps(y_us, y_eng) <= 1

@@ -34,9 +34,19 @@ def tiny(device: str = "cpu") -> torch.nn.Module:
 
 # id -> (model factory, kwargs to apply_alignment, exception type, fragment of the message)
 BAD = {
-    "a path instead of a model": (lambda: "Qwen/Qwen2.5-0.5B", {}, UnsupportedModelError, "from_pretrained(path)"),
+    "a path instead of a model": (
+        lambda: "Qwen/Qwen2.5-0.5B",
+        {},
+        UnsupportedModelError,
+        "from_pretrained(path)",
+    ),
     "a state dict": (lambda: tiny().state_dict(), {}, UnsupportedModelError, "got a OrderedDict"),
-    "a module without HF config": (lambda: torch.nn.Linear(2, 2), {}, UnsupportedModelError, "config.model_type"),
+    "a module without HF config": (
+        lambda: torch.nn.Linear(2, 2),
+        {},
+        UnsupportedModelError,
+        "config.model_type",
+    ),
     "regions=5": (tiny, {"regions": 5}, ConfigFormatError, "not a list of region names"),
     "regions typo": (tiny, {"regions": "rope,swigl"}, UnknownRegionError, "valid regions"),
     "engine typo": (tiny, {"engine": "trtllm"}, UnknownProfileError, "valid profiles"),
@@ -86,7 +96,11 @@ def _rebind_norm(model):
     return "model.norm"
 
 
-OVERRIDES = {"forward replaced": _replace_forward, "module swapped": _swap_module, "norm rebound": _rebind_norm}
+OVERRIDES = {
+    "forward replaced": _replace_forward,
+    "module swapped": _swap_module,
+    "norm rebound": _rebind_norm,
+}
 
 
 @pytest.mark.parametrize("case", list(OVERRIDES))

@@ -69,7 +69,9 @@ def test_extreme_values_give_finite_metrics(case):
 def test_kl_k2_is_exact_below_the_clamp():
     d = 1e30  # d^2 = 1e60: no clamping, the estimator is exact
     out = compute_mismatch_metrics(
-        torch.tensor([[-d, 0.0]], dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2)
+        torch.tensor([[-d, 0.0]], dtype=torch.float64),
+        torch.zeros(1, 2, dtype=torch.float64),
+        torch.ones(1, 2),
     )
     assert out["mismatch/kl_k2"] == pytest.approx(0.5 * d * d / 2, rel=1e-12)
 
@@ -114,7 +116,11 @@ def test_hook_never_overwrites_verl_keys(monkeypatch):
     def original(data, *a, **k):
         return dict(verl_result)
 
-    ours = {"mismatch/num_tokens": 99, "training/rollout_probs_diff_mean": 1.0, "mismatch/kl_k1": torch.tensor(0.1)}
+    ours = {
+        "mismatch/num_tokens": 99,
+        "training/rollout_probs_diff_mean": 1.0,
+        "mismatch/kl_k1": torch.tensor(0.1),
+    }
     monkeypatch.setattr(tc, "step_mismatch_metrics", lambda data, config: ours)
     hook = tc._wrap_hook(original)
     token = tc._ACTIVE_CONFIG.set({"alignment": {"metrics": True}})

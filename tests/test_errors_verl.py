@@ -62,26 +62,62 @@ def _set(cfg, key: str, value) -> None:
 BAD = {
     "alignment group string (no search path)": (None, {}, None, ConfigFormatError, SEARCHPATH),
     "regions=5": (["alignment.regions=5"], {}, None, ConfigFormatError, "alignment.regions=[rope"),
-    "regions mapping": ([], {"alignment.regions": {"a": 1}}, None, ConfigFormatError, "not a list of region names"),
+    "regions mapping": (
+        [],
+        {"alignment.regions": {"a": 1}},
+        None,
+        ConfigFormatError,
+        "not a list of region names",
+    ),
     "regions typo": (["alignment.regions=[rope,swigl]"], {}, None, UnknownRegionError, "valid regions"),
     "key typo +alignment.compiled": (
-        ["+alignment.compiled=true"], {}, None, ConfigFormatError, "did you mean alignment.compile?"
+        ["+alignment.compiled=true"],
+        {},
+        None,
+        ConfigFormatError,
+        "did you mean alignment.compile?",
     ),
-    "unknown key": (["+alignment.speed=fast"], {}, None, ConfigFormatError, "valid keys: attention, compile, compiled_norm, engine"),
+    "unknown key": (
+        ["+alignment.speed=fast"],
+        {},
+        None,
+        ConfigFormatError,
+        "valid keys: attention, compile, compiled_norm, engine",
+    ),
     "metrics=maybe": (["alignment.metrics=maybe"], {}, None, ConfigFormatError, "alignment.metrics=false"),
     "metrics=2": (["alignment.metrics=2"], {}, None, ConfigFormatError, "alignment.metrics=true"),
     "compile=maybe": (["alignment.compile=maybe"], {}, None, ConfigFormatError, "alignment.compile=false"),
     "quantiles=sometimes": (
-        ["+alignment.metrics_quantiles=sometimes"], {}, None, ConfigFormatError, "alignment.metrics_quantiles="
+        ["+alignment.metrics_quantiles=sometimes"],
+        {},
+        None,
+        ConfigFormatError,
+        "alignment.metrics_quantiles=",
     ),
     "enforce_eager=perhaps": (
-        ["actor_rollout_ref.rollout.enforce_eager=perhaps"], {}, None, ConfigFormatError, "enforce_eager=true"
+        ["actor_rollout_ref.rollout.enforce_eager=perhaps"],
+        {},
+        None,
+        ConfigFormatError,
+        "enforce_eager=true",
     ),
-    "use_liger='yes' is on": (["actor_rollout_ref.model.use_liger=yes"], {}, None, LigerConflictError, "use_liger=False"),
+    "use_liger='yes' is on": (
+        ["actor_rollout_ref.model.use_liger=yes"],
+        {},
+        None,
+        LigerConflictError,
+        "use_liger=False",
+    ),
     "compilation_config malformed JSON": ([], {CC: '{"mode": 0'}, None, ConfigFormatError, "not valid JSON"),
     "compilation_config a list": ([], {CC: [1, 2]}, None, ConfigFormatError, "not a JSON object"),
     "compilation_config JSON list": ([], {CC: "[0]"}, None, ConfigFormatError, "not a JSON object"),
-    "custom_ops a string": ([], {CC: {"custom_ops": "all"}}, None, ConfigFormatError, "custom_ops='all' is not a list"),
+    "custom_ops a string": (
+        [],
+        {CC: {"custom_ops": "all"}},
+        None,
+        ConfigFormatError,
+        "custom_ops='all' is not a list",
+    ),
     "config.json truncated": ([], {}, '{"model_type": "qw', ConfigFormatError, "truncated?"),
     "config.json a list": ([], {}, '[{"model_type": "qwen2"}]', ConfigFormatError, "JSON list"),
     "config.json binary": ([], {}, "\udcff\udcfe\x00", ConfigFormatError, "cannot read"),
@@ -155,20 +191,29 @@ def test_boolean_spellings_are_parsed_strictly(spelling, model_dir):
 # id -> (argv, fragment of the one error line)
 ENTRY = {
     "verl entry, +alignment=all without search path": (
-        ["verl.trainer.main_ppo", "+alignment=all"], SEARCHPATH
+        ["verl.trainer.main_ppo", "+alignment=all"],
+        SEARCHPATH,
     ),
     "verl entry, liger": (
         ["verl.trainer.main_ppo", SEARCHPATH, "+alignment=all", "actor_rollout_ref.model.use_liger=true"],
         "use_liger=False",
     ),
-    "our entry, metrics=maybe": (["rlalign_verl.main_ppo", "alignment=all", "alignment.metrics=maybe"], "alignment.metrics"),
+    "our entry, metrics=maybe": (
+        ["rlalign_verl.main_ppo", "alignment=all", "alignment.metrics=maybe"],
+        "alignment.metrics",
+    ),
     "our entry, regions=5": (["rlalign_verl.main_ppo", "alignment.regions=5"], "alignment.regions=[rope"),
 }
 
 
 def test_entry_points_print_one_line_and_exit_2(model_dir):
     runs = [
-        [*argv, *GRPO_MINIMAL, "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={model_dir}"]
+        [
+            *argv,
+            *GRPO_MINIMAL,
+            "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={model_dir}",
+        ]
         for argv, _ in ENTRY.values()
     ]
     out = run_driver(ENTRY_DRIVER, runs, HYDRA_FULL_ERROR=None)

@@ -84,6 +84,10 @@ def test_worker_path_loads_neither_vllm_nor_matplotlib():
 
 def test_the_worker_check_can_fail():
     """The same probe reports a heavy module once something does import it."""
-    code = "import sys, json, matplotlib\nprint(json.dumps(sorted(m for m in sys.modules if m == 'matplotlib')))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, json, matplotlib\nprint(json.dumps(sorted(m for m in sys.modules if m == 'matplotlib')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert json.loads(proc.stdout) == ["matplotlib"]

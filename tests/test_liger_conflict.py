@@ -46,7 +46,9 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("mode", ["instance", "class"])
 def test_liger_patched_model_is_refused(mode: str) -> None:
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(mode=mode)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(mode=mode)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED: this model was patched by Liger kernels" in out.stdout
     assert "use_liger=False" in out.stdout

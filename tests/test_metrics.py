@@ -92,7 +92,9 @@ def test_values_match_hand_computation_with_masks_nan_inf_and_empty_rows():
 
 
 def test_asymmetric_clip_range_and_prefix():
-    out = compute_mismatch_metrics(*_tensors(), clip_ratio=0.9, clip_ratio_low=0.5, clip_ratio_high=0.3, prefix="x/")
+    out = compute_mismatch_metrics(
+        *_tensors(), clip_ratio=0.9, clip_ratio_low=0.5, clip_ratio_high=0.3, prefix="x/"
+    )
     assert out["x/ratio_clip_frac"] == pytest.approx(1 / 6)  # only e^-1 < 0.5
     assert out["x/ratio_clip_frac"] == pytest.approx(_expected(PAIRS, SEQS, 0.5, 0.3)["ratio_clip_frac"])
     assert all(k.startswith("x/") for k in out)

@@ -219,7 +219,9 @@ def test_class_form_patches_models_built_afterwards() -> None:
 def test_class_form_carries_compiled_norm_and_attention_variant() -> None:
     """The class form hands compiled_norm and the attention variant to every model built afterwards."""
     try:
-        apply_alignment(regions=["rmsnorm", "attention"], engine="vllm-cpu", attention="sdpa-fp32", compiled_norm=True)
+        apply_alignment(
+            regions=["rmsnorm", "attention"], engine="vllm-cpu", attention="sdpa-fp32", compiled_norm=True
+        )
         st = get_alignment(build("qwen2"))
         assert st.compiled_norm is True and st.attention_variant == "sdpa-fp32"
     finally:

@@ -87,7 +87,9 @@ def capture(model, profile, monkeypatch) -> dict:
     for i, layer in enumerate(model.model.layers):
         at, mlp = layer.self_attn, layer.mlp
         hooks += [
-            at.register_forward_pre_hook(lambda m, a, kw, i=i: rec.__setitem__(("x_in", i), kw["hidden_states"]), with_kwargs=True),
+            at.register_forward_pre_hook(
+                lambda m, a, kw, i=i: rec.__setitem__(("x_in", i), kw["hidden_states"]), with_kwargs=True
+            ),
             at.register_forward_hook(keep(("a", i))),
             at.q_proj.register_forward_hook(keep(("q", i))),
             mlp.register_forward_pre_hook(lambda m, a, i=i: rec.__setitem__(("x_post", i), a[0])),
@@ -96,7 +98,10 @@ def capture(model, profile, monkeypatch) -> dict:
             mlp.up_proj.register_forward_hook(keep(("u", i))),
             mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: rec.__setitem__(("act", i), a[0])),
         ]
-    hooks += [model.model.embed_tokens.register_forward_hook(keep("emb")), model.model.norm.register_forward_hook(keep("y"))]
+    hooks += [
+        model.model.embed_tokens.register_forward_hook(keep("emb")),
+        model.model.norm.register_forward_hook(keep("y")),
+    ]
     real = forwards_mod.apply_rope
 
     def spy(q, k, cos, sin, rounding, **kw):
@@ -130,9 +135,14 @@ def failed_checks(model, rec: dict, p) -> list[str]:
     for i, layer in enumerate(model.model.layers):
         s = h if r is None else F(h + r)
         keep = R(s) if p.residual in (Residual.EVERY_ADD, Residual.AT_ATTENTION) else s
-        checks = {f"input_norm/{i}": (rec[("x_in", i)], ref_norm(s, d(layer.input_layernorm.weight), eps, p.norm))}
+        checks = {
+            f"input_norm/{i}": (rec[("x_in", i)], ref_norm(s, d(layer.input_layernorm.weight), eps, p.norm))
+        }
         s2 = F(d(rec[("a", i)]) + keep)
-        checks[f"post_norm/{i}"] = (rec[("x_post", i)], ref_norm(s2, d(layer.post_attention_layernorm.weight), eps, p.norm))
+        checks[f"post_norm/{i}"] = (
+            rec[("x_post", i)],
+            ref_norm(s2, d(layer.post_attention_layernorm.weight), eps, p.norm),
+        )
         g, u = d(rec[("g", i)]), d(rec[("u", i)])
         silu = F(g / (1.0 + torch.exp(-g)))
         checks[f"swiglu/{i}"] = (rec[("act", i)], R(R(silu) * u) if p.swiglu.roundings == 2 else R(silu * u))
@@ -160,7 +170,12 @@ def mutations(p) -> list[tuple[str, object]]:
         part = getattr(p, sub)
         for v in values:
             if v != getattr(part, name):
-                out.append((f"{sub}.{name}={getattr(v, 'value', v)}", dataclasses.replace(p, **{sub: dataclasses.replace(part, **{name: v})})))
+                out.append(
+                    (
+                        f"{sub}.{name}={getattr(v, 'value', v)}",
+                        dataclasses.replace(p, **{sub: dataclasses.replace(part, **{name: v})}),
+                    )
+                )
     out += [(f"residual={v.value}", dataclasses.replace(p, residual=v)) for v in Residual if v != p.residual]
     q = not p.qk_norm_rounded_before_rope
     out.append((f"qk_norm_rounded_before_rope={q}", dataclasses.replace(p, qk_norm_rounded_before_rope=q)))
@@ -175,7 +190,9 @@ def model():
 def test_every_mutation_is_killed(model, monkeypatch, capsys) -> None:
     total, killed, survivors, skipped = 0, 0, [], []
     for name, p in PROFILES.items():
-        assert failed_checks(model, capture(model, p, monkeypatch), p) == [], f"{name}: the original must pass"
+        assert failed_checks(model, capture(model, p, monkeypatch), p) == [], (
+            f"{name}: the original must pass"
+        )
         for label, mutant in mutations(p):
             field = label.split("=")[0]
             if field in INDISTINGUISHABLE_ON_CPU:
@@ -187,7 +204,9 @@ def test_every_mutation_is_killed(model, monkeypatch, capsys) -> None:
             else:
                 survivors.append(f"{name}:{label}")
     with capsys.disabled():
-        print(f"\n[profile mutations] killed {killed}/{total}; indistinguishable on CPU (tested separately): {len(skipped)}")
+        print(
+            f"\n[profile mutations] killed {killed}/{total}; indistinguishable on CPU (tested separately): {len(skipped)}"
+        )
     assert survivors == [], survivors
 
 
@@ -210,6 +229,8 @@ def test_sum_div_n_is_the_correctly_rounded_division() -> None:
     got = rms_norm(x, w, eps, NormRounding(Source.FP32_SUM, Source.FP32_SUM, 1, Mean.SUM_DIV_N))
     assert mismatch(got, want) <= TOLERANCE
     sq = x.float() ** 2
-    assert torch.equal(sq.mean(-1, keepdim=True), sq.sum(-1, keepdim=True) / n)  # why MEAN is indistinguishable here
+    assert torch.equal(
+        sq.mean(-1, keepdim=True), sq.sum(-1, keepdim=True) / n
+    )  # why MEAN is indistinguishable here
     assert torch.equal(sq.sum(-1, keepdim=True) / n, var.float())
     assert set(INDISTINGUISHABLE_ON_CPU) == {"norm.mean"}

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("profile_table_script", ROOT / "scripts" / "profile_table.py")
+    spec = importlib.util.spec_from_file_location(
+        "profile_table_script", ROOT / "scripts" / "profile_table.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -91,8 +91,17 @@ def test_recipe_composes_and_verl_accepts_it(recipe):
         cfg = compose_recipe(recipe, ALIGN=align)
         plain = OmegaConf.to_container(cfg, resolve=True)
         resolved[align] = plain
-        assert plain["alignment"] == {"regions": regions, "engine": "auto", "metrics": True, "compile": False, "kernels": "torch",
-                                      "attention": "engine-op", "head_dtype": "float32", "unverified": [], "compiled_norm": False}
+        assert plain["alignment"] == {
+            "regions": regions,
+            "engine": "auto",
+            "metrics": True,
+            "compile": False,
+            "kernels": "torch",
+            "attention": "engine-op",
+            "head_dtype": "float32",
+            "unverified": [],
+            "compiled_norm": False,
+        }
         assert plain["actor_rollout_ref"]["model"]["override_config"]["rlalign_regions"] == regions
         assert plain["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
         assert plain["algorithm"]["adv_estimator"] == "grpo"

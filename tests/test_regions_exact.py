@@ -81,7 +81,14 @@ def ref_rope(profile: str, x, cos32, sin32):
     return torch.cat((bf(x1 * c - x2 * s), bf(x2 * c + x1 * s)), -1)
 
 
-NORM_ROUNDS_RESIDUAL = {"hf": True, "vllm-cpu-eager": True, "vllm-eager": True, "sglang": True, "vllm-cpu": False, "vllm": False}
+NORM_ROUNDS_RESIDUAL = {
+    "hf": True,
+    "vllm-cpu-eager": True,
+    "vllm-eager": True,
+    "sglang": True,
+    "vllm-cpu": False,
+    "vllm": False,
+}
 SHAPES = [(2, 10), (1, 30)]  # leading dims; the token rows span every scale in SCALES
 HIDDEN = [64, 128, 896, 1000, 2048]
 SCALES = torch.tensor([1e-3, 1e-2, 1e-1, 1.0, 10.0, 1e2])

@@ -30,7 +30,9 @@ def step_metrics(step: int, gap: float, with_training: bool = True) -> dict[str,
         "mismatch/num_tokens": 1000,
     }
     if with_training:
-        m.update({"critic/score/mean": 0.1 * step, "actor/entropy": 1.0 - 0.05 * step, "actor/grad_norm": 2.0})
+        m.update(
+            {"critic/score/mean": 0.1 * step, "actor/entropy": 1.0 - 0.05 * step, "actor/grad_norm": 2.0}
+        )
     return m
 
 
@@ -89,8 +91,17 @@ def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsy
 
     rc = call(str(baseline), str(rope), str(run_dir), "--out", str(out), "--labels", "baseline,rope,all")
     assert rc == 0, capsys.readouterr().err
-    names = ["overview", "logp_gap", "kl", "ratio_extremes", "clip_frac", "seq_log_ratio", "reward", "entropy",
-             "grad_norm"]
+    names = [
+        "overview",
+        "logp_gap",
+        "kl",
+        "ratio_extremes",
+        "clip_frac",
+        "seq_log_ratio",
+        "reward",
+        "entropy",
+        "grad_norm",
+    ]
     for name in names:
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == PNG_MAGIC

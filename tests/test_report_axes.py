@@ -29,7 +29,12 @@ def test_three_steps_get_integer_ticks_only():
 
 
 def test_ratio_axis_has_plain_labels():
-    run = Run("a", "x", "jsonl", {"mismatch/ratio_max": [(1, 1.2), (2, 1.3)], "mismatch/ratio_min": [(1, 0.8), (2, 0.85)]})
+    run = Run(
+        "a",
+        "x",
+        "jsonl",
+        {"mismatch/ratio_max": [(1, 1.2), (2, 1.3)], "mismatch/ratio_min": [(1, 0.8), (2, 0.85)]},
+    )
     fig, ax = _draw(run)
     labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
     plt.close(fig)
@@ -40,7 +45,12 @@ def test_ratio_axis_has_plain_labels():
 
 
 def test_wide_ratio_range_keeps_decade_ticks():
-    run = Run("a", "x", "jsonl", {"mismatch/ratio_max": [(1, 1e3), (2, 1e4)], "mismatch/ratio_min": [(1, 1e-2), (2, 0.5)]})
+    run = Run(
+        "a",
+        "x",
+        "jsonl",
+        {"mismatch/ratio_max": [(1, 1e3), (2, 1e4)], "mismatch/ratio_min": [(1, 1e-2), (2, 0.5)]},
+    )
     fig, ax = _draw(run)
     plt.close(fig)
     assert ax.get_yscale() == "log" and ax.yaxis.get_minor_locator().__class__.__name__ != "NullLocator"

@@ -27,4 +27,9 @@ def test_rows_follow_verls_rl_dataset_layout_and_are_deterministic():
         assert msg["role"] == "user" and msg["content"] == "Repeat: " + row["reward_model"]["ground_truth"]
         assert row["extra_info"] == {"index": i}
         # a response that repeats the words exactly gets the full reward
-        assert compute_score(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"]) == 1.0
+        assert (
+            compute_score(
+                row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"]
+            )
+            == 1.0
+        )

@@ -70,7 +70,9 @@ def step_tensors(seed: int, n: int = 6, prompt_len: int = 3, resp_len: int = 8) 
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
         "response_mask": response_mask,
         "rollout_log_probs": rollout,
-        "rm_scores": torch.zeros(n, resp_len).scatter_(1, (lengths - 1)[:, None], torch.rand(n, 1, generator=g)),
+        "rm_scores": torch.zeros(n, resp_len).scatter_(
+            1, (lengths - 1)[:, None], torch.rand(n, 1, generator=g)
+        ),
     }
 
 
@@ -113,7 +115,9 @@ def logged_fit_steps(path, outputs: list[dict]) -> list[dict]:
     for row, data in zip(rows, outputs, strict=True):
         logged = row["data"]
         assert ALL_KEYS <= set(logged), sorted(ALL_KEYS - set(logged))
-        assert_matches(logged, expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]))
+        assert_matches(
+            logged, expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
+        )
     return [row["data"] for row in rows]
 
 
@@ -145,12 +149,16 @@ def test_step_metrics_reach_real_tracking_every_step(base_config, tmp_path, monk
         assert {"training/rollout_probs_diff_mean", "actor/entropy"} <= set(row["data"])
         assert_matches(row["data"], want)
     # clip_ratio_high=0.28 from the config is used: some ratios lie in (1.2, 1.28].
-    assert any(want["mismatch/ratio_clip_frac"] != expected(
-        train_log_probs(step_tensors(s)["rollout_log_probs"], s),
-        step_tensors(s)["rollout_log_probs"],
-        step_tensors(s)["response_mask"],
-        high=0.2,
-    )["mismatch/ratio_clip_frac"] for s, want in enumerate(wants, start=1))
+    assert any(
+        want["mismatch/ratio_clip_frac"]
+        != expected(
+            train_log_probs(step_tensors(s)["rollout_log_probs"], s),
+            step_tensors(s)["rollout_log_probs"],
+            step_tensors(s)["response_mask"],
+            high=0.2,
+        )["mismatch/ratio_clip_frac"]
+        for s, want in enumerate(wants, start=1)
+    )
     console = capsys.readouterr().out
     assert console.count("mismatch/kl_k3") == 4
 
@@ -163,12 +171,18 @@ def test_step_metrics_options_from_config(base_config):
     assert tc.step_mismatch_metrics(batch, off) == {}
     no_q = verl_config("+alignment.metrics_quantiles=false")
     keys = set(tc.step_mismatch_metrics(batch, no_q))
-    assert keys == ALL_KEYS - {"mismatch/logp_abs_diff_p50", "mismatch/logp_abs_diff_p90", "mismatch/logp_abs_diff_p99"}
+    assert keys == ALL_KEYS - {
+        "mismatch/logp_abs_diff_p50",
+        "mismatch/logp_abs_diff_p90",
+        "mismatch/logp_abs_diff_p99",
+    }
     # bf16 trainer log-probs (verl on CPU keeps log_softmax in bf16) work too.
     data["old_log_probs"] = data["old_log_probs"].to(torch.bfloat16)
     out = tc.step_mismatch_metrics(DataProto.from_dict(data), base_config)
     assert out["mismatch/logp_abs_diff_mean"] == pytest.approx(
-        expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])["mismatch/logp_abs_diff_mean"]
+        expected(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])[
+            "mismatch/logp_abs_diff_mean"
+        ]
     )
 
 
@@ -186,7 +200,9 @@ def _broken_batches():
     }
 
 
-@pytest.mark.parametrize("case", ["missing rollout_log_probs", "shape mismatch", "no mask", "not a DataProto"])
+@pytest.mark.parametrize(
+    "case", ["missing rollout_log_probs", "shape mismatch", "no mask", "not a DataProto"]
+)
 def test_broken_input_warns_and_returns_nothing(base_config, warnings_log, case):
     batch, words = _broken_batches()[case]
     assert tc.step_mismatch_metrics(batch, base_config) == {}
@@ -207,8 +223,12 @@ def test_check_metrics_config():
     with pytest.raises(AlignmentError, match=r"actor_rollout_ref\.rollout\.calculate_log_probs=True"):
         tc.check_metrics_config(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false"))
     tc.check_metrics_config(verl_config())  # verl's default: calculate_log_probs=True
-    tc.check_metrics_config(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", "alignment.metrics=false"))
-    tc.check_metrics_config(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", alignment=None))
+    tc.check_metrics_config(
+        verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", "alignment.metrics=false")
+    )
+    tc.check_metrics_config(
+        verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", alignment=None)
+    )
     assert tc.metrics_enabled(verl_config(alignment="all"))
     assert not tc.metrics_enabled(verl_config(alignment=None))
 
@@ -378,7 +398,9 @@ def _fit_config(*overrides: str, alignment: str | None = "default"):
 
 
 @pytest.mark.parametrize("rollout_is", [None, "token"], ids=["plain", "with-TIS"])
-def test_legacy_trainer_fit_logs_mismatch_every_step(trainer_modules, tmp_path, monkeypatch, warnings_log, rollout_is):
+def test_legacy_trainer_fit_logs_mismatch_every_step(
+    trainer_modules, tmp_path, monkeypatch, warnings_log, rollout_is
+):
     overrides = ["trainer.use_v1=false", "actor_rollout_ref.actor.clip_ratio_high=0.28"]
     if rollout_is:  # verl's rollout correction (truncated IS, token level) active at the same time
         overrides.append(f"algorithm.rollout_correction.rollout_is={rollout_is}")
@@ -391,7 +413,9 @@ def test_legacy_trainer_fit_logs_mismatch_every_step(trainer_modules, tmp_path, 
             assert any(k.startswith("rollout_corr/") for k in logged)
     banner = [r.getMessage() for r in warnings_log.records if "alignment regions=" in r.getMessage()]
     # the config skipped the driver's validation and has no rollout.name: the callback says why it has no profile
-    assert len(banner) == 1 and banner[0].startswith("alignment regions=rope,swiglu,rmsnorm profile=auto (unresolved: ")
+    assert len(banner) == 1 and banner[0].startswith(
+        "alignment regions=rope,swiglu,rmsnorm profile=auto (unresolved: "
+    )
     assert banner[0].endswith("; mismatch metrics (mismatch/*) on")
 
 
@@ -472,7 +496,9 @@ class _V1Rollout:
             full[prompt_len - 1 : prompt_len - 1 + k] = data["old_log_probs"][i, :k]
             rows.append(full)
         fields = {"log_probs": _nested(rows), "entropy": _nested([torch.ones_like(r) for r in rows])}
-        self.tq.kv_batch_put(keys=batch.keys, partition_id="train", fields=TensorDict(fields, batch_size=len(rows)))
+        self.tq.kv_batch_put(
+            keys=batch.keys, partition_id="train", fields=TensorDict(fields, batch_size=len(rows))
+        )
         return batch
 
 
@@ -481,7 +507,9 @@ def test_v1_trainer_fit_logs_mismatch_every_step(trainer_modules, transfer_queue
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "v1.jsonl"))
     config = _fit_config(
-        "trainer.use_v1=true", f"data.train_batch_size={N_PROMPTS}", "actor_rollout_ref.actor.clip_ratio_high=0.28"
+        "trainer.use_v1=true",
+        f"data.train_batch_size={N_PROMPTS}",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
     )
     trainer = object.__new__(get_trainer_cls("sync"))  # PPOTrainerSync, the default v1 trainer
     trainer.config = config

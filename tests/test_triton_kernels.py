@@ -120,7 +120,9 @@ def test_interpreted_swiglu_matches_pytorch(interpreted: dict[str, float]) -> No
 
 
 def test_available_only_on_cuda_and_when_asked() -> None:
-    assert kernels.available(torch.zeros(1), requested=True) is False  # CPU tensors never take the Triton path
+    assert (
+        kernels.available(torch.zeros(1), requested=True) is False
+    )  # CPU tensors never take the Triton path
     if torch.cuda.is_available():
         t = torch.zeros(1, device="cuda")
         assert kernels.available(t) is False  # opt-in: the default CUDA path is PyTorch

@@ -89,7 +89,9 @@ def test_compiled_norm_on_the_driver(path):
     assert opt_in_options(SimpleNamespace(rlalign_compiled_norm=True)) == {"compiled_norm": True}
     assert "rlalign_compiled_norm" not in _override(_cfg(path, "alignment.regions=[rope,rmsnorm]"))
     with pytest.raises(AlignmentError, match="compiled_norm=False") as e:
-        validate_config(_cfg(path, "alignment.regions=[rmsnorm]", "alignment.compiled_norm=true"), on_cuda=True)
+        validate_config(
+            _cfg(path, "alignment.regions=[rmsnorm]", "alignment.compiled_norm=true"), on_cuda=True
+        )
     assert "\n" not in str(e.value)
 
 

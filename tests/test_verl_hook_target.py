@@ -16,9 +16,13 @@ def _engine_module(**members) -> types.ModuleType:
     return mod
 
 
-@pytest.mark.parametrize("members", [{}, {"FSDPEngine": type("FSDPEngine", (), {})}], ids=["no-class", "no-method"])
+@pytest.mark.parametrize(
+    "members", [{}, {"FSDPEngine": type("FSDPEngine", (), {})}], ids=["no-class", "no-method"]
+)
 def test_worker_hook_raises_when_target_missing(members: dict) -> None:
-    with pytest.raises(AlignmentError, match=r"FSDPEngine\._build_module is missing .* install verl==0\.9\.1"):
+    with pytest.raises(
+        AlignmentError, match=r"FSDPEngine\._build_module is missing .* install verl==0\.9\.1"
+    ):
         model_hook.wrap_fsdp_engine(_engine_module(**members))
 
 

@@ -145,7 +145,9 @@ def test_align_module_gates_on_config_flags(qwen2_path, caplog):
     assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager" and not st.compiled
     assert "aligned Qwen2ForCausalLM (role=actor): regions=rope,swiglu profile=vllm-cpu-eager" in caplog.text
 
-    compiled = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-cpu", rlalign_compile=True)
+    compiled = _hf_model(
+        qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-cpu", rlalign_compile=True
+    )
     assert get_alignment(align_module(compiled, role="actor")).compiled
 
 
@@ -384,7 +386,9 @@ def _engine_child(model_path: str) -> None:
             "critic": state(critic),
             "actor_logits_change_when_removed": float((aligned_logits - plain_logits).abs().max()),
             "actor_logits_finite": bool(torch.isfinite(aligned_logits).all()),
-            "actor_bound": sorted({type(m).__name__ for m in actor.module.modules() if "forward" in m.__dict__}),
+            "actor_bound": sorted(
+                {type(m).__name__ for m in actor.module.modules() if "forward" in m.__dict__}
+            ),
             # read once, then removed: saved HF checkpoints must not carry the switch
             "flags_left": [
                 key
@@ -409,7 +413,11 @@ def test_align_module_checks_the_profile_against_the_worker_device(qwen2_path):
 
     with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):
         align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm"), role="actor")
-    moved = _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-eager", rlalign_engine_auto=True)
+    moved = _hf_model(
+        qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-eager", rlalign_engine_auto=True
+    )
     assert get_alignment(align_module(moved, role="actor")).profile.name == "vllm-cpu-eager"
     with pytest.raises(ProfileMismatchError, match="not the vllm rollout engine"):
-        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="hf", rlalign_rollout="vllm"))
+        align_module(
+            _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="hf", rlalign_rollout="vllm")
+        )

@@ -23,9 +23,13 @@ def prepare_out_dir(out: str | Path, flag: str = "--out") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise AlignmentError(f"{flag} {path} lies under a file, not a directory; pass a directory path") from None
+        raise AlignmentError(
+            f"{flag} {path} lies under a file, not a directory; pass a directory path"
+        ) from None
     except PermissionError:
-        raise AlignmentError(f"{flag} {path} cannot be created (permission denied); pass a writable directory") from None
+        raise AlignmentError(
+            f"{flag} {path} cannot be created (permission denied); pass a writable directory"
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise AlignmentError(f"{flag} {path} is not writable; pass a writable directory")
     return path

@@ -45,14 +45,27 @@ class Panel:
 
 #: The panels, in page order; a panel is drawn when at least one run has one of its keys.
 PANELS: tuple[Panel, ...] = (
-    Panel("logp_gap", "Train-vs-rollout log-prob gap", "|Δ log p| (nats)",
-          ("mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_p99")),
+    Panel(
+        "logp_gap",
+        "Train-vs-rollout log-prob gap",
+        "|Δ log p| (nats)",
+        ("mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_p99"),
+    ),
     Panel("kl", "KL(rollout ‖ train), k3 estimator", "nats / token", ("mismatch/kl_k3",)),
-    Panel("ratio_extremes", "Importance ratio extremes π_train/π_rollout", "ratio",
-          ("mismatch/ratio_max", "mismatch/ratio_min"), logy=True),
+    Panel(
+        "ratio_extremes",
+        "Importance ratio extremes π_train/π_rollout",
+        "ratio",
+        ("mismatch/ratio_max", "mismatch/ratio_min"),
+        logy=True,
+    ),
     Panel("clip_frac", "Tokens outside the PPO clip range", "fraction", ("mismatch/ratio_clip_frac",)),
-    Panel("seq_log_ratio", "Sequence |Σ Δ log p|", "nats / sequence",
-          ("mismatch/seq_log_ratio_abs_mean", "mismatch/seq_log_ratio_abs_max")),
+    Panel(
+        "seq_log_ratio",
+        "Sequence |Σ Δ log p|",
+        "nats / sequence",
+        ("mismatch/seq_log_ratio_abs_mean", "mismatch/seq_log_ratio_abs_max"),
+    ),
     Panel("reward", "Reward (sequence score)", "score", ("critic/score/mean",)),
     Panel("entropy", "Actor entropy", "nats", ("actor/entropy",)),
     Panel("grad_norm", "Actor grad norm", "norm", ("actor/grad_norm",), logy=True),
@@ -107,9 +120,7 @@ def _load_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
             if v is not None:
                 by_key.setdefault(key, {})[step] = v  # a resumed run's later line wins
     if good == 0:
-        raise AlignmentError(
-            f"{path}: no verl metrics lines ({bad} unreadable); {_SOURCES_HINT}"
-        )
+        raise AlignmentError(f"{path}: no verl metrics lines ({bad} unreadable); {_SOURCES_HINT}")
     return {k: sorted(v.items()) for k, v in by_key.items()}
 
 
@@ -178,8 +189,14 @@ def _plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> bo
                 continue
             steps, values = zip(*points, strict=True)
             suffix = "" if len(panel.keys) == 1 else f" · {key.rsplit('/', 1)[-1]}"
-            ax.plot(steps, values, linestyle=style, color=color, marker="." if len(points) < 30 else None,
-                    label=f"{run_.label}{suffix}")
+            ax.plot(
+                steps,
+                values,
+                linestyle=style,
+                color=color,
+                marker="." if len(points) < 30 else None,
+                label=f"{run_.label}{suffix}",
+            )
             drawn = True
     if drawn:
         ax.set_title(panel.title, fontsize=10)
@@ -231,7 +248,7 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.6 * rows), sharex=True, squeeze=False)
     for ax, panel in zip(axes.flat, panels, strict=False):
         _plot_panel(ax, panel, runs, colors)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
@@ -260,7 +277,12 @@ def _fmt(v: float | None) -> str:
 
 
 def _html(title: str, runs: list[Run], images: list[tuple[str, Path]]) -> str:
-    summary_keys = ("mismatch/logp_abs_diff_mean", "mismatch/kl_k3", "mismatch/ratio_clip_frac", "critic/score/mean")
+    summary_keys = (
+        "mismatch/logp_abs_diff_mean",
+        "mismatch/kl_k3",
+        "mismatch/ratio_clip_frac",
+        "critic/score/mean",
+    )
     head = "".join(f"<th>last {html.escape(k)}</th>" for k in summary_keys)
     rows = []
     for r in runs:
@@ -279,7 +301,7 @@ def _html(title: str, runs: list[Run], images: list[tuple[str, Path]]) -> str:
             f"({html.escape(png.name)})</figcaption></figure>"
         )
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;font-size:90%}img{max-width:100%}"
@@ -300,11 +322,15 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
-        "runs", nargs="+", metavar="RUN",
+        "runs",
+        nargs="+",
+        metavar="RUN",
         help="a verl file-logger JSONL file (or a directory holding one) or a TensorBoard event directory",
     )
     parser.add_argument("--out", required=True, type=Path, help="output directory (created)")
-    parser.add_argument("--labels", default=None, help="comma-separated run names, one per RUN (default: file/dir name)")
+    parser.add_argument(
+        "--labels", default=None, help="comma-separated run names, one per RUN (default: file/dir name)"
+    )
     parser.add_argument("--title", default="rlalign-verl mismatch report", help="page title")
 
 
@@ -313,7 +339,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         labels = [s.strip() for s in args.labels.split(",")] if args.labels else [None] * len(args.runs)
         if len(labels) != len(args.runs):
-            raise AlignmentError(f"--labels has {len(labels)} names for {len(args.runs)} runs; give one per RUN")
+            raise AlignmentError(
+                f"--labels has {len(labels)} names for {len(args.runs)} runs; give one per RUN"
+            )
         runs = [load_run(path, label) for path, label in zip(args.runs, labels, strict=True)]
         page = write_report(runs, args.out, title=args.title)
     except AlignmentError as err:

@@ -148,7 +148,9 @@ def _check_header_types(path: Path, head: dict[str, Any]) -> None:
     for key, want in _HEADER_TYPES.items():
         v = head.get(key)
         if key in head and (not isinstance(v, want) or isinstance(v, bool)):
-            raise _fail(path, 1, f"header field {key!r} must be a {want.__name__}, got {type(v).__name__} {v!r}")
+            raise _fail(
+                path, 1, f"header field {key!r} must be a {want.__name__}, got {type(v).__name__} {v!r}"
+            )
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -205,14 +207,18 @@ def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Roll
     lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], False)
     if len(lps) != len(resp):
         raise _fail(
-            path, n, f"'response_logprobs' has {len(lps)} values for {len(resp)} response tokens (must be equal)"
+            path,
+            n,
+            f"'response_logprobs' has {len(lps)} values for {len(resp)} response tokens (must be equal)",
         )
     plp = obj.get("prompt_logprobs")
     if plp is not None:
         plp = _check_logprobs(path, n, "prompt_logprobs", plp, True)
         if len(plp) != len(prompt):
             raise _fail(
-                path, n, f"'prompt_logprobs' has {len(plp)} values for {len(prompt)} prompt tokens (must be equal)"
+                path,
+                n,
+                f"'prompt_logprobs' has {len(plp)} values for {len(prompt)} prompt tokens (must be equal)",
             )
     return Rollout(prompt, resp, lps, plp)
 

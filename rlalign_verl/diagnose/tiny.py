@@ -79,11 +79,31 @@ SPECS: dict[str, TinySpec] = {
     "llama": TinySpec("llama", 384, 1024, 4, 6, 2, 64, rope_theta=10_000.0),
     # MoE: 8 experts, top-2, every layer sparse; widths multiples of 32 (vLLM's CPU expert kernels).
     "qwen3_moe": TinySpec(
-        "qwen3_moe", 256, 512, 4, 4, 2, 64, rope_theta=1_000_000.0, num_experts=8, top_k=2, moe_intermediate=256
+        "qwen3_moe",
+        256,
+        512,
+        4,
+        4,
+        2,
+        64,
+        rope_theta=1_000_000.0,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate=256,
     ),
     "qwen2_moe": TinySpec(
-        "qwen2_moe", 256, 512, 4, 4, 2, 64, rope_theta=1_000_000.0, num_experts=8, top_k=2,
-        moe_intermediate=256, shared_expert_intermediate=512,
+        "qwen2_moe",
+        256,
+        512,
+        4,
+        4,
+        2,
+        64,
+        rope_theta=1_000_000.0,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate=256,
+        shared_expert_intermediate=512,
     ),  # fmt: skip
 }
 

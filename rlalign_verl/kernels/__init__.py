@@ -45,7 +45,9 @@ def resolve_kernels(kernels: str | None = None, *, compile: bool = False) -> str
     Asking for Triton where it is not installed, or together with ``compile`` (Inductor's own fused
     forwards), raises (one line naming the fix).
     """
-    choice = str(kernels or ("triton" if os.environ.get(ENV, "0").strip() == "1" else "torch")).strip().lower()
+    choice = (
+        str(kernels or ("triton" if os.environ.get(ENV, "0").strip() == "1" else "torch")).strip().lower()
+    )
     if choice not in KERNELS:
         raise AlignmentError(f"unknown kernels={kernels!r}; use one of {', '.join(KERNELS)} (default torch)")
     if choice == "triton" and importlib.util.find_spec("triton") is None:
@@ -53,7 +55,9 @@ def resolve_kernels(kernels: str | None = None, *, compile: bool = False) -> str
             "kernels='triton' (or RLALIGN_TRITON=1) needs the triton package; pip install triton or use kernels='torch'"
         )
     if choice == "triton" and compile:
-        raise AlignmentError("kernels='triton' and compile=True both replace the SwiGLU/RoPE forwards; choose one")
+        raise AlignmentError(
+            "kernels='triton' and compile=True both replace the SwiGLU/RoPE forwards; choose one"
+        )
     return choice
 
 

@@ -42,12 +42,17 @@ def step_mismatch_metrics(
     usable = [
         e
         for e in experiences
-        if getattr(e, "rollout_log_probs", None) is not None and getattr(e, "action_log_probs", None) is not None
+        if getattr(e, "rollout_log_probs", None) is not None
+        and getattr(e, "action_log_probs", None) is not None
     ]
     if not usable:
         return None
     for e in usable:
-        shapes = {tuple(e.action_log_probs.shape), tuple(e.rollout_log_probs.shape), tuple(e.action_mask.shape)}
+        shapes = {
+            tuple(e.action_log_probs.shape),
+            tuple(e.rollout_log_probs.shape),
+            tuple(e.action_mask.shape),
+        }
         if len(shapes) != 1:
             raise ValueError(
                 "experience log-prob shapes disagree: action_log_probs "

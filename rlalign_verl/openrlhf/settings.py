@@ -238,7 +238,9 @@ def _parser() -> argparse.ArgumentParser:
         "--alignment.collect_rollout_logprobs", dest="collect", nargs="?", const="true", default="false"
     )
     p.add_argument("--alignment.unverified", dest="unverified", default="")
-    p.add_argument("--alignment.compiled_norm", dest="compiled_norm", nargs="?", const="true", default="false")
+    p.add_argument(
+        "--alignment.compiled_norm", dest="compiled_norm", nargs="?", const="true", default="false"
+    )
     p.add_argument("--address", dest="address", default=None)
     return p
 

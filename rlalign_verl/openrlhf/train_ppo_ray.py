@@ -76,7 +76,9 @@ def _warn_about_rollout_logprobs(options: LaunchOptions) -> None:
     argv = options.openrlhf_argv
     engines = flag_value(argv, settings_mod.VLLM_ENGINES_FLAGS)
     if s.metrics and (engines is None or engines is True or str(engines).strip() in ("0", "")):
-        warn_once("no vLLM engines (--vllm.num_engines): there are no rollout log-probs, so no mismatch/* metrics")
+        warn_once(
+            "no vLLM engines (--vllm.num_engines): there are no rollout log-probs, so no mismatch/* metrics"
+        )
     elif s.metrics and not s.collect_rollout_logprobs and not rollout_logprobs_requested(argv):
         warn_once(
             "rollout log-probs are not collected (OpenRLHF's IS correction is off), so no mismatch/* metrics; "

@@ -114,7 +114,9 @@ def engine_op_available() -> tuple[bool, str]:
     return True, ""
 
 
-def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+def engine_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``cpu_attention_with_kv_cache`` on packed ``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` (causal per sequence).
 
     The KV of each sequence is written into a paged cache of ``ENGINE_BLOCK_SIZE`` blocks with the
@@ -144,8 +146,24 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: tor
     )
     out = torch.empty_like(q)
     torch.ops._C.cpu_attention_with_kv_cache(
-        q, k_cache, v_cache, out, qsl, lens, scale, True, None, -1, block_table, 0.0, meta, None, None,
-        1.0, 1.0, "auto",
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qsl,
+        lens,
+        scale,
+        True,
+        None,
+        -1,
+        block_table,
+        0.0,
+        meta,
+        None,
+        None,
+        1.0,
+        1.0,
+        "auto",
     )
     return out
 
@@ -153,7 +171,9 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: tor
 # --- the fp32 SDPA emulation and the shared backward --------------------------------------------
 
 
-def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+def _sdpa_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
+) -> torch.Tensor:
     """Causal fp32 SDPA per sequence on packed fp32 ``q [N, Hq, D]``, ``k/v [N, Hkv, D]``; returns fp32.
 
     One-token sequences (padding) attend to themselves only: their output is their ``v``.
@@ -165,8 +185,12 @@ def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int
             out.append(seg_v.repeat_interleave(groups, dim=1))
             continue
         o = F.scaled_dot_product_attention(
-            seg_q.transpose(0, 1)[None], seg_k.transpose(0, 1)[None], seg_v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=groups > 1,
+            seg_q.transpose(0, 1)[None],
+            seg_k.transpose(0, 1)[None],
+            seg_v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=groups > 1,
         )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out)

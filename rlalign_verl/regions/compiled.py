@@ -52,14 +52,18 @@ class CompiledRegions:
 def inductor_available() -> tuple[bool, str]:
     """Whether Inductor can build a kernel here (it needs a C++ compiler on CPU); the reason if not."""
     try:
-        fn = torch.compile(lambda x: (x.float() * 2).to(torch.bfloat16), dynamic=False, options=INDUCTOR_OPTIONS)
+        fn = torch.compile(
+            lambda x: (x.float() * 2).to(torch.bfloat16), dynamic=False, options=INDUCTOR_OPTIONS
+        )
         fn(torch.ones(4, dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - any backend failure means "not available here"
         return False, f"{type(e).__name__}: {e}".splitlines()[0]
     return True, ""
 
 
-def compiled_regions(engine: str | EngineProfile = "vllm", *, exact: bool = True, dynamic: bool = True) -> CompiledRegions:
+def compiled_regions(
+    engine: str | EngineProfile = "vllm", *, exact: bool = True, dynamic: bool = True
+) -> CompiledRegions:
     """Inductor-compiled region functions for ``engine``'s rounding.
 
     ``exact=True`` (default) compiles only the regions that stay bit-identical to the eager functions

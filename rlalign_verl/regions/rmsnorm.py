@@ -24,7 +24,9 @@ def _rsqrt_mean_sq(v: torch.Tensor, eps: float, mean: Mean) -> torch.Tensor:
     return torch.rsqrt(var + eps)
 
 
-def _normalize(n: torch.Tensor, rt: torch.Tensor, w: torch.Tensor, rounding: NormRounding, dtype: torch.dtype):
+def _normalize(
+    n: torch.Tensor, rt: torch.Tensor, w: torch.Tensor, rounding: NormRounding, dtype: torch.dtype
+):
     if rounding.output_roundings == 2:
         # eager: normalised value stored in bf16 before the weight multiply (HF: weight * x.to(bf16)).
         return (rnd(n * rt, dtype) * w).to(dtype)

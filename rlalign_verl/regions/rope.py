@@ -34,7 +34,9 @@ def rope_table(
         return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
-def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rounding: RopeRounding, out_dtype: torch.dtype):
+def _rotate(
+    x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rounding: RopeRounding, out_dtype: torch.dtype
+):
     """The forward formula on fp32 operands; returns ``out_dtype``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -65,7 +67,9 @@ class _RopeFn(torch.autograd.Function):
         ctx.in_dtype = x.dtype
         if kernels.available(x, triton) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
             if out_dtype in (torch.bfloat16, torch.float16):
-                return kernels.rope_forward(x, c.float(), s.float(), rounding.roundings, out_dtype)  # same formula, fused
+                return kernels.rope_forward(
+                    x, c.float(), s.float(), rounding.roundings, out_dtype
+                )  # same formula, fused
         with autocast_disabled(x):
             return _rotate(x.float(), c.float(), s.float(), rounding, out_dtype)
 
@@ -114,4 +118,6 @@ def apply_rope(
                 raise ValueError("an fp32-table RoPE profile needs the unrounded fp32 table (rope_table)")
             c, s = cos, sin
         c, s = c.unsqueeze(unsqueeze_dim), s.unsqueeze(unsqueeze_dim)
-    return _RopeFn.apply(q, c, s, rounding, out_dtype, triton), _RopeFn.apply(k, c, s, rounding, out_dtype, triton)
+    return _RopeFn.apply(q, c, s, rounding, out_dtype, triton), _RopeFn.apply(
+        k, c, s, rounding, out_dtype, triton
+    )

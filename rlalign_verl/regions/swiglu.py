@@ -43,7 +43,9 @@ class _SwigluFn(torch.autograd.Function):
         return d_gate.to(gate.dtype), d_up, None, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, rounding: SwigluRounding, *, triton: bool = False) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, rounding: SwigluRounding, *, triton: bool = False
+) -> torch.Tensor:
     """``R(silu(g) * u)`` (1 rounding) or ``R(R(silu(g)) * u)`` (2 roundings), in ``gate.dtype``.
 
     ``triton=True`` (or ``RLALIGN_TRITON=1``) runs the forward as the opt-in Triton kernel on CUDA tensors.

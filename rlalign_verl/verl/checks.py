@@ -131,5 +131,7 @@ def check_kernels(value: Any, compile_value: Any) -> str:
     if kernels not in KERNELS:
         raise AlignmentError(f"alignment.kernels={kernels!r}: use torch (default) or triton")
     if kernels == "triton" and option_bool(compile_value, name="alignment.compile", default=False):
-        raise AlignmentError("alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one")
+        raise AlignmentError(
+            "alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one"
+        )
     return kernels

@@ -29,7 +29,7 @@ CC_NAME = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
 def custom_ops_of(compilation_config: Any) -> list[str]:
     ops = json_setting(plain(compilation_config), name=CC_NAME).get("custom_ops") or []
     if isinstance(ops, str) or not isinstance(ops, list | tuple):
-        raise ConfigFormatError(f"{CC_NAME}.custom_ops={ops!r} is not a list; give e.g. [\"+rms_norm\"]")
+        raise ConfigFormatError(f'{CC_NAME}.custom_ops={ops!r} is not a list; give e.g. ["+rms_norm"]')
     return [str(op).strip() for op in ops]
 
 

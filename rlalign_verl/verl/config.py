@@ -41,6 +41,7 @@ KERNELS_KEY = "rlalign_kernels"
 OVERRIDE_PATH = "actor_rollout_ref.model.override_config"
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
+
 def _select(config: Any, key: str, default: Any = None) -> Any:
     """``OmegaConf.select`` that also accepts plain dicts and treats ``???`` as missing."""
     try:
@@ -238,7 +239,9 @@ def _check_metrics(config: Any) -> None:
     check_metrics_config(config)
 
 
-def _write_worker_settings(config: Any, regions: tuple[str, ...], profile: str | None, compile_: bool) -> None:
+def _write_worker_settings(
+    config: Any, regions: tuple[str, ...], profile: str | None, compile_: bool
+) -> None:
     """Put the resolved settings where the actor and ref workers read them (HF config attributes)."""
     from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -301,7 +304,9 @@ def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | 
     if "attention" in regions:
         from ..regions.attention import check_attention_supported
 
-        check_attention_supported(get_profile(profile), str(_select(config, "alignment.attention", "engine-op")))
+        check_attention_supported(
+            get_profile(profile), str(_select(config, "alignment.attention", "engine-op"))
+        )
     if _select(config, "alignment.compiled_norm"):
         from ..options import parse_bool
         from ..regions.inductor_norm import check_compiled_norm

@@ -51,9 +51,15 @@ def _placed_profile(module: Any, engine: str) -> str:
 
     cfg = getattr(module, "config", None)
     auto = engine == "auto" or bool(getattr(cfg, AUTO_KEY, False))
-    profile = check_placement("vllm" if engine == "auto" else engine, module, auto=auto, rollout=getattr(cfg, ROLLOUT_KEY, None))
+    profile = check_placement(
+        "vllm" if engine == "auto" else engine, module, auto=auto, rollout=getattr(cfg, ROLLOUT_KEY, None)
+    )
     if profile.name != engine:
-        logger.info("alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device", engine, profile.name)
+        logger.info(
+            "alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device",
+            engine,
+            profile.name,
+        )
     return profile.name
 
 
@@ -101,7 +107,8 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
         where,
         ",".join(state.regions),
         state.profile.name,
-        (" (compiled swiglu/rope)" if state.compiled else "") + (" (triton swiglu/rope)" if state.kernels == "triton" else ""),
+        (" (compiled swiglu/rope)" if state.compiled else "")
+        + (" (triton swiglu/rope)" if state.kernels == "triton" else ""),
     )
     return module
 
@@ -123,7 +130,16 @@ def opt_in_options(hf_config: Any) -> dict[str, Any]:
 
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
-    keys = (REGIONS_KEY, ENGINE_KEY, COMPILE_KEY, KERNELS_KEY, AUTO_KEY, ROLLOUT_KEY, HEAD_DTYPE_KEY, ATTENTION_KEY)
+    keys = (
+        REGIONS_KEY,
+        ENGINE_KEY,
+        COMPILE_KEY,
+        KERNELS_KEY,
+        AUTO_KEY,
+        ROLLOUT_KEY,
+        HEAD_DTYPE_KEY,
+        ATTENTION_KEY,
+    )
     for cfg in configs:
         for key in (*keys, UNVERIFIED_KEY, COMPILED_NORM_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):

@@ -58,7 +58,9 @@ _HOOK = "calculate_debug_metrics"
 _ORIGINAL = "__rlalign_original__"
 
 # The config of the trainer whose (wrapped) fit() is running in this context; None outside fit().
-_ACTIVE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("rlalign_verl_active_config", default=None)
+_ACTIVE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "rlalign_verl_active_config", default=None
+)
 # (owner, attribute, original value, owner had its own attribute) per patch, for uninstall.
 _PATCHES: dict[str, list[tuple[Any, str, Any, bool]]] = {}
 
@@ -69,7 +71,11 @@ def _cfg_get(node: Any, path: str, default: Any = None) -> Any:
         if node is None:
             return default
         try:
-            node = node.get(key, None) if hasattr(node, "get") and hasattr(node, "keys") else getattr(node, key, None)
+            node = (
+                node.get(key, None)
+                if hasattr(node, "get") and hasattr(node, "keys")
+                else getattr(node, key, None)
+            )
         except Exception:
             return default
     return default if node is None else node
@@ -161,7 +167,9 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
             clip_ratio_low=low,
             clip_ratio_high=high,
             quantiles=option_bool(
-                _cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True
+                _cfg_get(config, "alignment.metrics_quantiles"),
+                name="alignment.metrics_quantiles",
+                default=True,
             ),
         )
         if out.get("mismatch/num_tokens", 0) == 0 and out.get("mismatch/nonfinite_tokens", 0) > 0:
@@ -180,7 +188,9 @@ def check_metrics_config(config: Any) -> None:
     """Raise ``AlignmentError`` when mismatch metrics are on but the rollout does not return log-probs."""
     if not metrics_enabled(config):
         return
-    option_bool(_cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True)
+    option_bool(
+        _cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True
+    )
     if not _log_probs_on(config):
         raise AlignmentError(
             "alignment.metrics=true needs the rollout log-probs: set "
@@ -288,9 +298,13 @@ def install_trainer_callback(module: ModuleType) -> bool:
             logger.warning("%s is not a verl trainer module (%s)", name, ", ".join(TRAINER_MODULES))
             return False
         cls = getattr(module, cls_name, None)
-        hook_owner = module if name.endswith(".v1.trainer_base") else importlib.import_module(_DEBUG_METRICS_MODULE)
-        if not isinstance(cls, type) or not callable(getattr(cls, "fit", None)) or not callable(
-            getattr(hook_owner, _HOOK, None)
+        hook_owner = (
+            module if name.endswith(".v1.trainer_base") else importlib.import_module(_DEBUG_METRICS_MODULE)
+        )
+        if (
+            not isinstance(cls, type)
+            or not callable(getattr(cls, "fit", None))
+            or not callable(getattr(hook_owner, _HOOK, None))
         ):
             logger.warning(
                 "%s.%s.fit or %s.%s not found in this verl version; mismatch metrics are off "

@@ -110,7 +110,13 @@ def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
     """compiled_norm is verified on dense models only: an MoE checkpoint is refused by the launcher."""
     from rlalign_verl.errors import AlignmentError
 
-    argv = ["--alignment.regions", "rope,rmsnorm", "--alignment.engine", "vllm-cpu", "--alignment.compiled_norm"]
+    argv = [
+        "--alignment.regions",
+        "rope,rmsnorm",
+        "--alignment.engine",
+        "vllm-cpu",
+        "--alignment.compiled_norm",
+    ]
     with pytest.raises(AlignmentError, match="dense models only") as e:
         parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")])
     assert "\n" not in str(e.value)

@@ -97,7 +97,11 @@ def test_lora_actor_aligns_the_base_model(plugin_ray, tiny_qwen2, reference):
     from openrlhf.models import Actor
 
     actor = Actor(
-        str(tiny_qwen2), attn_implementation="sdpa", param_dtype="bf16", lora_rank=4, target_modules=["q_proj"]
+        str(tiny_qwen2),
+        attn_implementation="sdpa",
+        param_dtype="bf16",
+        lora_rank=4,
+        target_modules=["q_proj"],
     )
     actor.eval()
     state = get_alignment(actor.model.get_base_model())
@@ -109,7 +113,9 @@ def test_lora_actor_aligns_the_base_model(plugin_ray, tiny_qwen2, reference):
 def test_critic_and_reward_models_are_not_aligned(plugin_ray, tiny_qwen2):
     from openrlhf.models import get_llm_for_sequence_regression
 
-    critic = get_llm_for_sequence_regression(str(tiny_qwen2), "critic", param_dtype="bf16", attn_implementation="sdpa")
+    critic = get_llm_for_sequence_regression(
+        str(tiny_qwen2), "critic", param_dtype="bf16", attn_implementation="sdpa"
+    )
     assert get_alignment(critic) is None
 
 
@@ -161,7 +167,11 @@ def test_aligned_actor_under_deepspeed_zero3_matches(tiny_qwen2):
 
     script = Path(__file__).resolve().parent / "support" / "zero3_logprobs.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(tiny_qwen2)], capture_output=True, text=True, timeout=300, env=os.environ
+        [sys.executable, str(script), str(tiny_qwen2)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     diffs = json.loads(result.stdout.strip().splitlines()[-1])

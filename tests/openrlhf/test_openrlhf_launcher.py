@@ -21,21 +21,28 @@ from rlalign_verl.openrlhf.setup import HOOK  # noqa: E402
 from rlalign_verl.openrlhf.train_ppo_ray import runtime_env  # noqa: E402
 
 OPENRLHF_FLAGS = [
-    "--actor.model_name_or_path", "/models/qwen",
-    "--vllm.num_engines", "1",
-    "--rollout.batch_size", "8",
-    "--data.input_template", "{}",
+    "--actor.model_name_or_path",
+    "/models/qwen",
+    "--vllm.num_engines",
+    "1",
+    "--rollout.batch_size",
+    "8",
+    "--data.input_template",
+    "{}",
 ]
 
 
 def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order():
     argv = [
-        "--alignment.regions", "rope,swiglu",
-        OPENRLHF_FLAGS[0], OPENRLHF_FLAGS[1],
+        "--alignment.regions",
+        "rope,swiglu",
+        OPENRLHF_FLAGS[0],
+        OPENRLHF_FLAGS[1],
         "--alignment.metrics=false",
         *OPENRLHF_FLAGS[2:],
         "--alignment.collect_rollout_logprobs",
-        "--address", "10.0.0.1:6379",
+        "--address",
+        "10.0.0.1:6379",
     ]
     opts = parse_launcher_args(argv)
     assert opts.openrlhf_argv == OPENRLHF_FLAGS
@@ -65,8 +72,12 @@ def test_defaults_measure_nothing_aligned():
     ],
 )
 def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile, auto, monkeypatch):
-    monkeypatch.setattr("rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None)  # any OpenRLHF release
-    opts = parse_launcher_args(["--alignment.regions", "all", "--alignment.engine", engine, *extra, *OPENRLHF_FLAGS])
+    monkeypatch.setattr(
+        "rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None
+    )  # any OpenRLHF release
+    opts = parse_launcher_args(
+        ["--alignment.regions", "all", "--alignment.engine", engine, *extra, *OPENRLHF_FLAGS]
+    )
     assert opts.settings.profile == profile
     assert opts.settings.auto is auto  # only auto lets the workers move the profile to their device
     assert opts.settings.regions == ("rope", "swiglu", "rmsnorm")
@@ -74,14 +85,18 @@ def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, prof
 
 
 def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
-    monkeypatch.setattr("rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None)  # any OpenRLHF release
+    monkeypatch.setattr(
+        "rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None
+    )  # any OpenRLHF release
     with pytest.raises(UnknownRegionError, match=r"valid regions: \['rope', 'swiglu', 'rmsnorm'"):
         parse_launcher_args(["--alignment.regions", "rope,gelu", *OPENRLHF_FLAGS])
     with pytest.raises(UnknownProfileError, match="valid profiles: vllm, vllm-eager"):
         parse_launcher_args(["--alignment.regions", "rope", "--alignment.engine", "trtllm"])
     with pytest.raises(AlignmentError, match=r"unknown flag\(s\) \['--alignment.region'\]"):
         parse_launcher_args(["--alignment.region", "rope", *OPENRLHF_FLAGS])
-    with pytest.raises(AlignmentError, match="not a boolean; use --alignment.metrics=true or --alignment.metrics=false"):
+    with pytest.raises(
+        AlignmentError, match="not a boolean; use --alignment.metrics=true or --alignment.metrics=false"
+    ):
         parse_launcher_args(["--alignment.metrics", "maybe"])
     for liger in ("--ds.use_liger_kernel", "--use_liger_kernel"):
         with pytest.raises(LigerConflictError, match="drop --ds.use_liger_kernel"):
@@ -91,7 +106,9 @@ def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
 
 
 def test_settings_travel_by_env_vars():
-    s = Settings(regions=("swiglu", "rope"), profile="vllm-eager", metrics=False, collect_rollout_logprobs=True)
+    s = Settings(
+        regions=("swiglu", "rope"), profile="vllm-eager", metrics=False, collect_rollout_logprobs=True
+    )
     env = s.to_env()
     assert env == {
         "RLALIGN_REGIONS": "rope,swiglu",
@@ -170,12 +187,17 @@ def test_launcher_runs_openrlhf_main_after_ray_init(ray_cluster):
     """Up to OpenRLHF's own argument validation (training itself needs GPUs): our flags are gone, Ray
     is initialised against the cluster with the hook, and OpenRLHF's parser accepts the rest."""
     args = [
-        "--alignment.regions", "rope,swiglu",
-        "--alignment.engine", "vllm",
+        "--alignment.regions",
+        "rope,swiglu",
+        "--alignment.engine",
+        "vllm",
         "--vllm.enforce_eager",
-        "--actor.model_name_or_path", "/nonexistent",
-        "--algo.advantage.estimator", "group_norm",
-        "--rollout.n_samples_per_prompt", "1",
+        "--actor.model_name_or_path",
+        "/nonexistent",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "1",
     ]
     result = _launch(args, RAY_ADDRESS=ray_cluster)
     assert result.returncode != 0
@@ -212,7 +234,11 @@ def test_install_is_import_light_and_patches_modules_when_imported():
     patch lands when OpenRLHF imports the module."""
     env = Settings(regions=("rope",), metrics=True, collect_rollout_logprobs=True).to_env()
     result = subprocess.run(
-        [sys.executable, "-c", _LAZY_INSTALL], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        [sys.executable, "-c", _LAZY_INSTALL],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()

@@ -32,16 +32,27 @@ def openrlhf_args(plugin_ray, tiny_qwen2):
 
     return capture_openrlhf_args(
         [
-            "--actor.model_name_or_path", str(tiny_qwen2),
-            "--reward.remote_url", "http://localhost:1/unused",
-            "--algo.advantage.estimator", "reinforce",
-            "--rollout.micro_batch_size", "2",
-            "--rollout.batch_size", "4",
-            "--train.batch_size", "4",
-            "--actor.eps_clip_low_high", "0.1", "0.3",
-            "--actor.num_gpus_per_node", "1",
-            "--ref.num_gpus_per_node", "1",
-            "--vllm.num_engines", "1",
+            "--actor.model_name_or_path",
+            str(tiny_qwen2),
+            "--reward.remote_url",
+            "http://localhost:1/unused",
+            "--algo.advantage.estimator",
+            "reinforce",
+            "--rollout.micro_batch_size",
+            "2",
+            "--rollout.batch_size",
+            "4",
+            "--train.batch_size",
+            "4",
+            "--actor.eps_clip_low_high",
+            "0.1",
+            "0.3",
+            "--actor.num_gpus_per_node",
+            "1",
+            "--ref.num_gpus_per_node",
+            "1",
+            "--vllm.num_engines",
+            "1",
         ]
     )
 
@@ -65,7 +76,9 @@ def _engine_log_probs(tiny_qwen2, tokens: list[int]) -> list[float]:
     (0.0 for the first), i.e. another rounding of the same model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_qwen2), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits.float()[0, :-1]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
@@ -199,7 +212,10 @@ def test_measure_only_requests_rollout_log_probs(plugin_ray, openrlhf_args):
     ray.get(generator._dispatch_prompts_to_vllm(["a"], [""], max_new_tokens=4))
     with plugin_settings(Settings(regions=(), metrics=True, collect_rollout_logprobs=False)):
         ray.get(generator._dispatch_prompts_to_vllm(["b"], [""], max_new_tokens=4))
-    assert ray.get(engine.recorded.remote()) == [{"prompt": "a", "logprobs": 1}, {"prompt": "b", "logprobs": None}]
+    assert ray.get(engine.recorded.remote()) == [
+        {"prompt": "a", "logprobs": 1},
+        {"prompt": "b", "logprobs": None},
+    ]
     ray.kill(engine)
 
 

@@ -60,7 +60,11 @@ def run_driver(script: str, runs: list[list[str]], **env: str | None) -> subproc
         else:
             child[key] = value
     out = subprocess.run(
-        [sys.executable, "-c", script.format(runs=runs)], capture_output=True, text=True, env=child, timeout=300
+        [sys.executable, "-c", script.format(runs=runs)],
+        capture_output=True,
+        text=True,
+        env=child,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out

@@ -59,7 +59,9 @@ def install() -> list[str]:
     if _missing("vllm"):
         inputs = _module("vllm.inputs", TokensPrompt=dict)
         utils = _module("vllm.utils", random_uuid=lambda: uuid.uuid4().hex)
-        vllm = _module("vllm", __version__="0.29.0", SamplingParams=SamplingParams, inputs=inputs, utils=utils)
+        vllm = _module(
+            "vllm", __version__="0.29.0", SamplingParams=SamplingParams, inputs=inputs, utils=utils
+        )
         SamplingParams.__module__ = "vllm"
         sys.modules.update({"vllm": vllm, "vllm.inputs": inputs, "vllm.utils": utils})
         installed.append("vllm")

@@ -35,7 +35,9 @@ def plugin_state() -> dict[str, Any]:
     s = active_settings()
     return {
         "pid": os.getpid(),
-        "settings": None if s is None else (s.regions, s.profile, s.metrics, s.collect_rollout_logprobs, s.auto),
+        "settings": None
+        if s is None
+        else (s.regions, s.profile, s.metrics, s.collect_rollout_logprobs, s.auto),
         "actor_wrapped": bool(getattr(Actor.__init__, "_rlalign_wrapped", False)),
         "experience_maker_wrapped": bool(
             getattr(RemoteExperienceMaker.make_experience_batch, "_rlalign_wrapped", False)
@@ -140,7 +142,9 @@ class EngineDouble:
     def get_num_unfinished_requests(self) -> int:
         return 0
 
-    def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images):
+    def generate_responses(
+        self, prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images
+    ):
         self.calls.append({"prompt": prompt, "logprobs": getattr(sampling_params, "logprobs", "absent")})
         return []
 
