@@ -75,16 +75,12 @@ def _rank(rank: int, out_file: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
+    from torch.distributed.fsdp import fully_shard
 
     from rlalign_verl.patch import apply_alignment
 
-    dist.init_process_group("gloo", world_size=WORLD, rank=rank)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
-    )
+    mesh, mp = init_gloo_fsdp(WORLD, rank)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     base = _build()
     results = []

@@ -67,20 +67,12 @@ def _child(paths: dict[str, str]) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlalign_verl.patch import apply_alignment
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo", world_size=1, rank=0)
-    mesh = init_device_mesh("cpu", (1,))
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
-    )
+    mesh, mp = init_gloo_fsdp()
     ids = torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(1))
     results = []
     for arch, path in paths.items():

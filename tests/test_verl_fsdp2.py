@@ -55,20 +55,13 @@ def _child(paths: dict[str, str]) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
+    from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlalign_verl.patch import apply_alignment, get_alignment
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1"
-    )
-    dist.init_process_group("gloo", world_size=1, rank=0)
-    mesh = init_device_mesh("cpu", (1,))
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
-    )
+    mesh, mp = init_gloo_fsdp(port_base=29000)
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for arch, path in paths.items():

@@ -281,6 +281,18 @@ class EngineFloor:
             return _rope_static(positions, q, k, m.head_size, m.rotary_dim, self.cos_sin_cache)
         return self.rope_mod.forward_cpu(positions, q.clone(), k.clone())
 
+    def _qkv(self, layer, x, positions):
+        """q, k, v of one layer as the engine forms them: GEMMs, q/k-norm (Qwen3), then RoPE."""
+        a, lin, t = layer.self_attn, self._linear, x.shape[0]
+        q = lin(x, a.q_proj.weight, a.q_proj.bias)
+        k = lin(x, a.k_proj.weight, a.k_proj.bias)
+        v = lin(x, a.v_proj.weight, a.v_proj.bias)
+        if self.qk_norm:
+            q = self._norm(q.view(t, -1, self.head_dim), a.q_norm.weight).view(t, -1)
+            k = self._norm(k.view(t, -1, self.head_dim), a.k_norm.weight).view(t, -1)
+        q, k = self._rope(positions, q, k)
+        return q, k, v
+
     def _silu_and_mul(self, gate, up):
         from vllm.model_executor.layers.activation import SiluAndMul
 
@@ -308,13 +320,7 @@ class EngineFloor:
             else:
                 x, residual = self._norm(h, ln.weight, residual)
             a = layer.self_attn
-            q = lin(x, a.q_proj.weight, a.q_proj.bias)
-            k = lin(x, a.k_proj.weight, a.k_proj.bias)
-            v = lin(x, a.v_proj.weight, a.v_proj.bias)
-            if self.qk_norm:
-                q = self._norm(q.view(t, -1, self.head_dim), a.q_norm.weight).view(t, -1)
-                k = self._norm(k.view(t, -1, self.head_dim), a.k_norm.weight).view(t, -1)
-            q, k = self._rope(positions, q, k)
+            q, k, v = self._qkv(layer, x, positions)
             q4 = q.view(1, t, -1, self.head_dim).transpose(1, 2)
             k4 = k.view(1, t, -1, self.head_dim).transpose(1, 2)
             v4 = v.view(1, t, -1, self.head_dim).transpose(1, 2)

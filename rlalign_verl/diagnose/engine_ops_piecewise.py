@@ -39,17 +39,6 @@ class PiecewiseEngineFloor(EngineFloor):
             comp(self._piece_last),
         )
 
-    def _qkv(self, layer, x, positions):
-        a, lin, t = layer.self_attn, self._linear, x.shape[0]
-        q = lin(x, a.q_proj.weight, a.q_proj.bias)
-        k = lin(x, a.k_proj.weight, a.k_proj.bias)
-        v = lin(x, a.v_proj.weight, a.v_proj.bias)
-        if self.qk_norm:
-            q = self._norm(q.view(t, -1, self.head_dim), a.q_norm.weight).view(t, -1)
-            k = self._norm(k.view(t, -1, self.head_dim), a.k_norm.weight).view(t, -1)
-        q, k = self._rope(positions, q, k)
-        return q, k, v
-
     def _after_attention(self, layer, o, residual):
         a = layer.self_attn
         h = self._linear(o, a.o_proj.weight, a.o_proj.bias)

@@ -1,0 +1,30 @@
+"""The one FSDP2-on-CPU setup the FSDP2 tests share: a gloo process group, a CPU mesh, verl's bf16 policy.
+
+Imported inside the tests' child processes (``python tests/test_x.py child ...``), where ``tests/support``
+imports it as ``support.gloo_fsdp`` (the test file's directory is ``sys.path[0]``).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def init_gloo_fsdp(world: int = 1, rank: int = 0, port_base: int = 29500):
+    """``(mesh, mp_policy)`` after joining a gloo group of ``world`` ranks (a single rank sets its own env).
+
+    The policy is verl's FSDP2 actor setting: bf16 parameters, fp32 gradient reduction, forward inputs cast.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if world == 1:
+        port = str(port_base + os.getpid() % 1000)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", world_size=world, rank=rank)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
+    return mesh, mp
