@@ -46,13 +46,7 @@ def check_moe_config(
     """
     if family.experts is None:
         return
-    if profile.moe is None and {"swiglu", "moe"} & set(regions):
-        known = ", ".join(p.name for p in PROFILES.values() if p.moe is not None)
-        raise UnsupportedModelError(
-            f"{family.model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
-            f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
-        )
-    check_unverified(family.model_type, profile, regions, unverified)
+    check_moe_profile(family.model_type, profile, regions, unverified)
     for attr, plain in _ROUTER_ATTRS.items():
         value = getattr(config, attr, None)
         if value not in plain:
@@ -61,6 +55,20 @@ def check_moe_config(
                 f"routing only (no grouped top-k, sigmoid scoring or routed scaling); turn alignment off for "
                 f"this model"
             )
+
+
+def check_moe_profile(
+    model_type: str, profile: EngineProfile, regions: tuple[str, ...], unverified: tuple[str, ...] = ()
+) -> None:
+    """The MoE checks that need no model config (the launchers run them before Ray, ``apply_alignment`` too):
+    swiglu/moe need the profile's MoE rounding, and unverified MoE data needs the explicit opt-in."""
+    if profile.moe is None and {"swiglu", "moe"} & set(regions):
+        known = ", ".join(p.name for p in PROFILES.values() if p.moe is not None)
+        raise UnsupportedModelError(
+            f"{model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
+            f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
+        )
+    check_unverified(model_type, profile, regions, unverified)
 
 
 def check_unverified_opt_in(

@@ -57,6 +57,8 @@ DRIVER = {
                       (ConfigFormatError, "alignment.unverified: unknown value(s) ['rope']; valid: moe")),
     "unknown value, alignment off": (("alignment.regions=[]", "alignment.unverified=[x]"), None,
                                      (ConfigFormatError, "alignment.unverified: unknown value(s) ['x']")),
+    "profile without MoE data (sglang)": (("alignment.engine=sglang", "actor_rollout_ref.rollout.name=sglang"), None,
+                                          (UnsupportedModelError, "profile sglang has no MoE expert/router rounding")),
     "misspelt key": (("+alignment.unverfied=[moe]",), None,
                      (ConfigFormatError, "did you mean alignment.unverified?")),
 }  # fmt: skip

@@ -81,7 +81,7 @@ def check_moe_parallel(
             f"({SUPPORTED}); use --vllm.tensor_parallel_size 1 or drop moe from --alignment.regions"
         )
     if profile is not None:
-        from ..moe_patch import check_unverified
+        from ..moe_patch import check_moe_profile
         from ..profiles import get_profile
 
-        check_unverified(model_type, get_profile(profile), tuple(regions), unverified)
+        check_moe_profile(model_type, get_profile(profile), tuple(regions), unverified)

@@ -357,9 +357,9 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
 
             if get_family(model_type).experts is not None:
                 check_expert_parallel(_select(config, EP_KEY, 1))
-                from ..moe_patch import check_unverified  # unverified MoE data: opt-in, checked before Ray
+                from ..moe_patch import check_moe_profile  # before Ray: MoE rounding present, opt-in given
 
-                check_unverified(model_type, get_profile(profile), regions, _unverified(config))
+                check_moe_profile(model_type, get_profile(profile), regions, _unverified(config))
                 from ..options import parse_bool
                 from ..regions.inductor_norm import check_compiled_norm_model
 
