@@ -106,7 +106,9 @@ def _engine_isa(dtype: torch.dtype, head_dim: int) -> str:
 def engine_op_available() -> tuple[bool, str]:
     """Whether vLLM's CPU attention op can be called here; the reason if not."""
     try:
-        import vllm._C  # noqa: F401
+        # vllm._custom_ops loads the kernel library built for this CPU's ISA (vllm/platforms/cpu.py
+        # import_kernels: _C needs AVX512-BF16, else _C_AVX512 or _C_AVX2); `import vllm._C` would crash without it
+        import vllm._custom_ops  # noqa: F401
 
         torch.ops._C.cpu_attention_with_kv_cache  # noqa: B018
     except Exception as e:  # noqa: BLE001 - any import/registration failure means "not here"
