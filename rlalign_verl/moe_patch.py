@@ -17,7 +17,7 @@ from torch import nn
 from .errors import UnsupportedModelError
 from .families import ModelFamily
 from .profiles import HF, PROFILES, EngineProfile, MoeRounding
-from .regions.moe import mix_experts, route
+from .regions.moe import fused_gate_sum, mix_experts, route
 from .unverified import OPT_IN_HINT
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
@@ -78,8 +78,8 @@ def check_unverified_opt_in(
     if "moe" not in unverified:
         raise UnsupportedModelError(
             f"{model_type}: profile {profile.name}'s MoE rounding is read from source and UNVERIFIED (not yet run "
-            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU checks it); {OPT_IN_HINT}, "
-            f"or align only rope,rmsnorm"
+            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU with {profile.engine} installed "
+            f"checks it); {OPT_IN_HINT}, or align only rope,rmsnorm"
         )
 
 
@@ -93,13 +93,14 @@ def check_unverified(
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:
     """The profile's expert rounding where swiglu is aligned and router/combine where moe is, HF's elsewhere;
-    an unrounded block sum only with rmsnorm too (the aligned layer hands it on; HF's layer would not)."""
+    an unrounded block sum only with rmsnorm too (the aligned layer hands it on; HF's layer would not). A
+    ``"fused"`` block sum is bf16 and needs only moe."""
     fields = {}
     if "swiglu" in regions:
         fields.update({f: getattr(profile_moe, f) for f in _EXPERT_FIELDS})
     if "moe" in regions:
         fields.update({f: getattr(profile_moe, f) for f in _ROUTER_FIELDS})
-        if "rmsnorm" in regions:
+        if "rmsnorm" in regions or profile_moe.block_sum == "fused":
             fields["block_sum"] = profile_moe.block_sum
     return dataclasses.replace(HF.moe, **fields)
 
@@ -136,6 +137,19 @@ def _shared_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch
     return out.reshape(shape)
 
 
+def _fused_gate_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's sparse block with ``block_sum="fused"``: ``R(sigmoid(x . w_gate) * shared + routed)``."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    shared = self.shared_expert(x)
+    _, weights, experts = self.gate(x)
+    routed = self.experts(x, experts, weights)
+    return fused_gate_sum(x, self.shared_expert_gate.weight, shared, routed).reshape(shape)
+
+
+_BLOCK_FORWARDS = {"fp32": _shared_block_forward, "fused": _fused_gate_block_forward}
+
+
 def bind_moe(
     model: nn.Module,
     family: ModelFamily,
@@ -151,11 +165,12 @@ def bind_moe(
     router_cls = family.cls("router")
     experts_fwd = _experts_forward(rounding)
     router_fwd = _router_forward(rounding) if "moe" in regions else None
-    block_cls = family.cls("moe_block") if rounding.block_sum == "fp32" else ()
+    block_fwd = _BLOCK_FORWARDS.get(rounding.block_sum)
+    block_cls = family.cls("moe_block") if block_fwd is not None else ()
     for m in model.modules():
         if isinstance(m, experts_cls):
             bind(m, experts_fwd)
         elif router_fwd is not None and isinstance(m, router_cls):
             bind(m, router_fwd)
         elif block_cls and isinstance(m, block_cls) and hasattr(m, "shared_expert_gate"):
-            bind(m, _shared_block_forward)
+            bind(m, block_fwd)

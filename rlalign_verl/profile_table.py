@@ -66,6 +66,8 @@ def moe_cell(p: EngineProfile) -> str:
     )
     if m.block_sum == "fp32":
         text += "; Qwen2-MoE shared + routed sum fp32 into the next add + norm"
+    elif m.block_sum == "fused":
+        text += "; Qwen2-MoE `R(sigmoid(x·w_g)·shared + routed)`, gate logit fp32"
     return text if m.verified else f"UNVERIFIED, opt-in `alignment.unverified=[moe]`: {text}"
 
 

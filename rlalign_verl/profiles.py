@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import UnknownProfileError
-from .profiles_moe import CPU_FUSED_MOE, CPU_FUSED_MOE_COMPILED, CUDA_TRITON_MOE, MoeRounding
+from .profiles_moe import (
+    CPU_FUSED_MOE,
+    CPU_FUSED_MOE_COMPILED,
+    CUDA_TRITON_MOE,
+    SGLANG_TRITON_MOE,
+    MoeRounding,
+)
 
 
 class Residual(str, Enum):
@@ -313,13 +319,15 @@ SGLANG = EngineProfile(
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=1, mean=Mean.SUM_DIV_N),
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
+    moe=SGLANG_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
     engine="sglang",
     device="cuda",
     verified=(
         "read from source (SGLang main, 2026, sgl-kernel built against FlashInfer bc29697b = v0.3.1-22); "
         "not run on a GPU yet: scripts/gpu_profile_check.py compares with sgl_kernel when it is installed. "
         "Not bit-exact by construction: rsqrt.approx, the SM90 build's -use_fast_math (approximate "
-        "exp/division), and FMA contraction in the fp32-table rotation"
+        "exp/division), and FMA contraction in the fp32-table rotation. MoE rounding read from sglang 0.5.23, "
+        "UNVERIFIED and opt-in (scripts/gpu_moe_check.py checks it where sglang is installed)"
     ),
     sources=(
         "sgl-project/sglang python/sglang/srt/layers/layernorm.py RMSNorm.forward_cuda -> "
@@ -338,6 +346,14 @@ SGLANG = EngineProfile(
         "sgl-project/sglang python/sglang/srt/models/utils.py apply_qk_norm (Qwen3 q/k-norm: JIT "
         "fused_inplace_qknorm or RMSNorm, written to bf16 before RoPE; the fused qk-norm+RoPE kernel is "
         "off by default, --enable-fused-qk-norm-rope)",
+        "sglang 0.5.23 srt/layers/moe/topk.py fused_topk -> kernels/ops/moe/moe_fused_gate.py moe_fused_gate "
+        "(fp32 softmax over all experts, top-k, fp32 renormalisation; MoE data UNVERIFIED, profiles_moe.py)",
+        "sglang 0.5.23 srt/layers/moe/moe_runner/triton_utils/fused_moe.py _fused_moe_kernel_sequence / "
+        "moe_combine_topk, kernels/ops/moe/fused_moe_triton_kernels.py fused_moe_kernel (bf16 w13 output, "
+        "R(w*d) per slot), kernels/jit/csrc/elementwise/activation.cuh (R(silu(g)*u)), "
+        "kernels/aot/csrc/moe/moe_sum_reduce.cu (fp32 slot sum)",
+        "sglang 0.5.23 srt/models/qwen2_moe.py Qwen2MoeSparseMoeBlock.forward -> kernels/ops/elementwise/"
+        "elementwise.py fused_gate_sigmoid_mul_add (fp32 gate logit, sigmoid, product and sum; one rounding)",
     ),
 )
 

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 COMBINES = ("bf16", "fp32", "slot")
+BLOCK_SUMS = ("bf16", "fp32", "fused")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,10 @@ class MoeRounding:
     ``top_k <= slot_sum_bf16_max_k``, else in fp32 with one rounding.
     ``block_sum``: Qwen2-MoE's block output ``sigmoid(gate) * shared + routed`` "bf16" = each op's output
     rounded (HF's eager ops), "fp32" = ``R(sigmoid(gate))`` times the bf16 shared output plus the bf16
-    routed output in fp32, handed on unrounded into the next add + RMSNorm (applied with rmsnorm aligned).
+    routed output in fp32, handed on unrounded into the next add + RMSNorm (applied with rmsnorm aligned);
+    "fused" = one kernel from the block input: the gate logit ``x . w_gate`` accumulated in fp32 (never
+    rounded), ``sigmoid``, product and sum in fp32, one rounding ``R(sigmoid(x . w_gate) * shared + routed)``
+    (applied with moe aligned; the output is bf16, so it needs no rmsnorm).
     ``verified``: False for data read from source and not yet checked against the engine's ops; such a
     rounding is used only with the explicit opt-in ``unverified=("moe",)`` (:mod:`..unverified`).
     """
@@ -50,7 +54,7 @@ class MoeRounding:
             and self.weights_dtype in ("bf16", "fp32")
             and self.combine in COMBINES
             and self.slot_sum_bf16_max_k >= 0
-            and self.block_sum in ("bf16", "fp32")
+            and self.block_sum in BLOCK_SUMS
         )
         if not ok:
             raise ValueError(f"invalid MoeRounding {self}")
@@ -86,4 +90,30 @@ CUDA_TRITON_MOE = MoeRounding(
     combine="slot",
     slot_sum_bf16_max_k=4,
     verified=False,
+)
+
+
+# SGLang CUDA, unquantized Triton runner (default --moe-runner-backend auto: Qwen2-MoE on every CUDA GPU, Qwen3-MoE
+# on SM90 and older; SM100 switches bf16 Qwen3-MoE to flashinfer_trtllm, not read). READ FROM SOURCE (sglang
+# 0.5.23 wheel with sglang-kernel 0.4.10; moe_sum_reduce.cu from the sgl-project/sglang main tree), NOT RUN ON A GPU:
+# - srt/layers/moe/topk.py::select_experts -> fused_topk -> kernels/ops/moe/moe_fused_gate.py::moe_fused_gate
+#   (_router_triton_kernel, SCORING_FUNC softmax): bf16 logits loaded as fp32, softmax over all experts, top-k
+#   ranked on the logit (lowest id wins ties), renormalised by fp32 division, fp32 weights;
+# - srt/layers/moe/moe_runner/triton_utils/fused_moe.py::_fused_moe_kernel_sequence with
+#   kernels/ops/moe/fused_moe_triton_kernels.py::fused_moe_kernel: w13 GEMM fp32 accumulator stored
+#   accumulator.to(compute_type) (bf16); kernels/ops/activation/activation.py::silu_and_mul -> JIT
+#   kernels/jit/csrc/elementwise/activation.cuh (default, not kRoundActivation): cast<T>(silu(g) * u) in fp32,
+#   one rounding (the opt-in SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED up-GEMM epilogue rounds the same way);
+#   w2 GEMM: MUL_ROUTED_WEIGHT multiplies the fp32 accumulator by the fp32 weight before the bf16 store,
+#   R(w_k * d_k) per slot;
+# - fused_moe.py::moe_combine_topk: top-k 2 torch.add of the two bf16 slots (one rounding of their exact sum);
+#   top-k > 2 moe_sum_reduce_triton (<= 32 tokens, SM90+) / sgl_kernel moe_sum_reduce
+#   (kernels/aot/csrc/moe/moe_sum_reduce.cu: every variant an fp32 acc over the slots, one __float2bfloat16_rn)
+#   / torch.sum (<= 32 tokens, pre-SM90): an fp32 sum, one rounding;
+# - srt/models/qwen2_moe.py::Qwen2MoeSparseMoeBlock.forward (use_fused_gate on CUDA) ->
+#   kernels/ops/elementwise/elementwise.py::_fused_gate_sigmoid_mul_add_kernel: sigmoid(sum(h * w) in fp32) * s
+#   + f in fp32, stored once into the bf16 routed output (block_sum="fused").
+# Differs from vLLM's CUDA data in the expert SwiGLU (one rounding), the slot sum above top-k 2 and block_sum.
+SGLANG_TRITON_MOE = dataclasses.replace(
+    CUDA_TRITON_MOE, expert_act_roundings=1, slot_sum_bf16_max_k=2, block_sum="fused"
 )

@@ -6,7 +6,7 @@ checked against a reference of the *original* profile written here from the ``Mo
 math with explicit ``R()`` (bf16) and ``F()`` (fp32) at the spec's rounding points, teacher-forced with the
 run's own router logits and expert choices. The original must pass; each mutant must fail a check.
 
-With ``norm_topk_prob=False`` all 32 mutations (hf, vllm-cpu, vllm-cpu-eager, vllm, vllm-eager) are killed. With
+With ``norm_topk_prob=False`` all 39 mutations (hf, vllm-cpu, vllm-cpu-eager, vllm, vllm-eager, sglang) are killed. With
 ``norm_topk_prob=True`` ``router_softmax`` survives: the renormalised top-k of the full softmax and the softmax
 over the top k are the same number, and the two differ only in the last fp32 bits (below a bf16 rounding).
 """
@@ -29,7 +29,7 @@ VALUES = {
     "expert_gemm": ("bf16", "fp32"), "expert_act_roundings": (1, 2), "router_softmax": ("all", "topk"),
     "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32", "slot"),
     "slot_sum_bf16_max_k": (K, K - 1),  # top-k summed in bf16 (k <= max) or in fp32; only used by "slot"
-    "block_sum": ("bf16", "fp32"),  # Qwen2-MoE's shared + routed sum: test_every_block_sum_mutation_is_killed
+    "block_sum": ("bf16", "fp32", "fused"),  # Qwen2-MoE's shared + routed sum: test_every_block_sum_mutation_is_killed
 }  # fmt: skip
 NOT_ROUNDING = {"verified"}  # whether the data was checked against the engine: no number depends on it
 
@@ -199,7 +199,8 @@ def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None
         print(
             f"\n[moe mutations, norm_topk_prob={renorm}] killed {total - len(survivors)}/{total}; survivors {survivors}"
         )
-    assert total == 32  # hf, vllm-cpu(-eager) x 6 (combine has 2 other values); vllm(-eager) x 7 (+ slot sum)
+    # hf, vllm-cpu(-eager) x 6 (combine has 2 other values); vllm(-eager), sglang x 7 (+ slot sum)
+    assert total == 39
     if renorm:  # the softmax over the top k equals the renormalised full softmax: only its fp32 bits differ
         assert all(s.split(":")[1].startswith("router_softmax") for s in survivors), survivors
     else:
@@ -225,9 +226,11 @@ def build_qwen2(seed: int = 0) -> torch.nn.Module:
 
 def block_sum_check(model, profile) -> list[str]:
     """Run ``model`` aligned (swiglu, rmsnorm, moe) to ``profile``; the block output against the spec of
-    the *unmutated* profile: ``block_sum`` "fp32" = F(R(sigmoid(g)) * shared + routed), else each op rounded."""
+    the *unmutated* profile: ``block_sum`` "fp32" = F(R(sigmoid(g)) * shared + routed), "fused" =
+    R(sigmoid(x . w_gate) * shared + routed) from the block input (fp32 gate logit), else each op rounded."""
     mlp, rec = model.model.layers[0].mlp, {}
     hooks = [
+        mlp.register_forward_pre_hook(lambda m, a: rec.update(x=a[0])),
         mlp.shared_expert.register_forward_hook(lambda m, a, o: rec.update(shared=o)),
         mlp.shared_expert_gate.register_forward_hook(lambda m, a, o: rec.update(g=o)),
         mlp.experts.register_forward_hook(lambda m, a, o: rec.update(routed=o)),
@@ -242,13 +245,18 @@ def block_sum_check(model, profile) -> list[str]:
             h.remove()
         remove_alignment(model)
     d = {k: v.detach().reshape(-1, v.shape[-1]).to(F64) for k, v in rec.items()}
-    sig = R(torch.sigmoid(d["g"]))  # F.sigmoid on bf16: stored in bf16 on both paths
-    if PROFILES[profile.name].moe.block_sum == "fp32":
+    spec, tolerance = PROFILES[profile.name].moe.block_sum, 0.0
+    logit = d["x"] @ mlp.shared_expert_gate.weight.detach().to(F64).t()
+    d.setdefault("g", R(logit))  # a "fused" run never calls the gate Linear; its bf16 output for the others
+    if spec == "fused":  # the kernel reads the block input and gate row; fp32 vs float64 logit: rare flips
+        want, dtype, tolerance = R(torch.sigmoid(logit) * d["shared"] + d["routed"]), BF, TOLERANCE
+    elif spec == "fp32":
+        sig = R(torch.sigmoid(d["g"]))  # F.sigmoid on bf16: stored in bf16 on both paths
         want, dtype = F(sig * d["shared"] + d["routed"]), torch.float32  # bf16 x bf16 is exact in fp32
     else:
-        want, dtype = R(R(sig * d["shared"]) + d["routed"]), BF
+        want, dtype = R(R(R(torch.sigmoid(d["g"])) * d["shared"]) + d["routed"]), BF
     bad = [] if rec["out"].dtype == dtype else ["block/dtype"]
-    return bad + (["block/sum"] if mismatch(rec["out"], want) > 0 else [])
+    return bad + (["block/sum"] if mismatch(rec["out"], want) > tolerance else [])
 
 
 def test_every_block_sum_mutation_is_killed(monkeypatch) -> None:
@@ -257,11 +265,14 @@ def test_every_block_sum_mutation_is_killed(monkeypatch) -> None:
     for name, p in PROFILES.items():
         if p.moe is None:
             continue
-        assert block_sum_check(model, p) == [], f"{name}: the original must pass (bit-exact)"
-        other = "bf16" if p.moe.block_sum == "fp32" else "fp32"
-        assert block_sum_check(model, dataclasses.replace(p, moe=dataclasses.replace(p.moe, block_sum=other)))
-        killed += 1
-    assert killed == 5 and PROFILES["vllm-cpu"].moe.block_sum == "fp32"
+        assert block_sum_check(model, p) == [], f"{name}: the original must pass (bit-exact, fused: 0.3%)"
+        for other in VALUES["block_sum"]:
+            if other != p.moe.block_sum:
+                mutant = dataclasses.replace(p, moe=dataclasses.replace(p.moe, block_sum=other))
+                assert block_sum_check(model, mutant), f"{name}: block_sum={other} survives"
+                killed += 1
+    assert killed == 12 and PROFILES["vllm-cpu"].moe.block_sum == "fp32"
+    assert PROFILES["sglang"].moe.block_sum == "fused"
 
 
 def test_hand_on_fp32_block_output_is_exact() -> None:

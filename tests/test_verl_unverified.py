@@ -57,8 +57,10 @@ DRIVER = {
                       (ConfigFormatError, "alignment.unverified: unknown value(s) ['rope']; valid: moe")),
     "unknown value, alignment off": (("alignment.regions=[]", "alignment.unverified=[x]"), None,
                                      (ConfigFormatError, "alignment.unverified: unknown value(s) ['x']")),
-    "profile without MoE data (sglang)": (("alignment.engine=sglang", "actor_rollout_ref.rollout.name=sglang"), None,
-                                          (UnsupportedModelError, "profile sglang has no MoE expert/router rounding")),
+    "sglang, no opt-in": (("alignment.engine=sglang", "actor_rollout_ref.rollout.name=sglang"), None,
+                          (UnsupportedModelError, "profile sglang's MoE rounding is read from source and UNVERIFIED")),
+    "sglang with opt-in": (("alignment.engine=sglang", "actor_rollout_ref.rollout.name=sglang",
+                            "alignment.unverified=[moe]"), None, ["moe"]),
     "misspelt key": (("+alignment.unverfied=[moe]",), None,
                      (ConfigFormatError, "did you mean alignment.unverified?")),
 }  # fmt: skip
@@ -77,6 +79,26 @@ def test_driver_validates_and_writes_the_opt_in(case, tmp_path, monkeypatch):
         return
     validate_config(cfg, on_cuda=True)
     assert _worker_flags(cfg).get(KEY) == expected
+
+
+def test_driver_refuses_a_profile_without_moe_data(tmp_path, monkeypatch):
+    """Every built-in profile has MoE data now; one without it (sglang's, emptied) is refused before Ray."""
+    import dataclasses
+
+    from rlalign_verl.profiles import PROFILES
+
+    monkeypatch.setitem(PROFILES, "sglang", dataclasses.replace(PROFILES["sglang"], moe=None))
+    cfg = _cfg(
+        tmp_path,
+        "alignment.engine=sglang",
+        "actor_rollout_ref.rollout.name=sglang",
+        "alignment.unverified=[moe]",
+    )
+    with pytest.raises(
+        UnsupportedModelError, match="profile sglang has no MoE expert/router rounding"
+    ) as err:
+        validate_config(cfg, on_cuda=True)
+    assert "\n" not in str(err.value)
 
 
 def _tiny_moe(**flags):

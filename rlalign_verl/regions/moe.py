@@ -1,7 +1,8 @@
 """Mixture-of-experts math, parameterised by :class:`~rlalign_verl.profiles.MoeRounding`.
 
-:func:`route` is the router (top-k selection and routing weights from the gate logits), and
-:func:`mix_experts` runs the selected experts and combines their outputs. Both are plain
+:func:`route` is the router (top-k selection and routing weights from the gate logits),
+:func:`mix_experts` runs the selected experts and combines their outputs, and :func:`fused_gate_sum` is
+Qwen2-MoE's shared + routed sum as one fused kernel computes it (``MoeRounding.block_sum="fused"``). Both are plain
 differentiable PyTorch (no custom backward): the roundings are ``x.to(bf16)`` casts, whose gradient is
 the identity cast back, i.e. straight-through as in the other regions. The expert selection itself
 (``topk`` indices) carries no gradient, exactly as in HF.
@@ -125,3 +126,21 @@ def _mix_by_slot(
         for k in range(1, top_k):
             out = out + slots[:, k]  # bf16 + bf16: each add rounds (a scalar_t running sum)
         return out
+
+
+def fused_gate_sum(
+    x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor, routed: torch.Tensor
+) -> torch.Tensor:
+    """``R(sigmoid(x . w_gate) * shared + routed)`` with one rounding (``block_sum="fused"``).
+
+    ``x``: the block input ``[T, H]``; ``gate_weight``: the shared-expert gate's ``[1, H]`` row; ``shared`` and
+    ``routed``: the bf16 ``[T, H]`` outputs. SGLang's ``fused_gate_sigmoid_mul_add`` (Triton) loads all of
+    them as fp32, reduces ``x * w`` in fp32, and stores the result once into the bf16 routed buffer.
+    """
+    dtype = x.dtype
+    with autocast_disabled(x):
+        # .float(): the kernel's tl.sum(h * w) in fp32, the gate logit is never rounded to bf16
+        logit = x.float() @ gate_weight.float().t()
+        # .float(): sigmoid, product and sum stay in fp32 registers until the one store
+        out = torch.sigmoid(logit) * shared.float() + routed.float()
+        return out.to(dtype)
