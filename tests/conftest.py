@@ -3,6 +3,7 @@
 - ``tiny_checkpoint(arch="qwen2") -> Path``: the deterministic tiny checkpoint (built once into the
   cache, ``$RLALIGN_CACHE`` or ``~/.cache/rlalign-verl/tiny``; set ``RLALIGN_TEST_FRESH_TINY=1`` to build
   into the session's tmp dir instead).
+- ``qwen2_path -> str``: the tiny Qwen2 checkpoint's directory (``tiny_checkpoint("qwen2")``).
 - ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts``: 32 prompts x 32 tokens sampled
   by the real vLLM engine (seed 0) with their engine log-probs. The first call generates every
   combination in ``ENGINE_COMBOS`` (plus the one asked for) in ONE engine child process; later calls
@@ -72,6 +73,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return built[arch]
 
     return get
+
+
+@pytest.fixture
+def qwen2_path(tiny_checkpoint: Callable[..., Path]) -> str:
+    """The tiny Qwen2 checkpoint's directory, as a string (what a config's ``model.path`` takes)."""
+    return str(tiny_checkpoint("qwen2"))
 
 
 def _combos_to_prefetch() -> list[tuple[str, str]]:

@@ -1,4 +1,5 @@
-"""verl overrides and an entry-point driver shared by the verl config tests (test code, not shipped).
+"""verl overrides, config composers and an entry-point driver shared by the verl config tests (test code,
+not shipped).
 
 ``tests/support`` is on ``sys.path`` through pytest's ``pythonpath`` setting (pyproject.toml).
 """
@@ -73,3 +74,39 @@ def run_driver(script: str, runs: list[list[str]], **env: str | None) -> subproc
 def cases(text: str) -> list[str]:
     """``text`` (a driver's stdout or stderr) cut into the runs' sections."""
     return text.split("=== case\n")[1:]
+
+
+def compose_ours(*overrides: str):
+    """Our primary config (verl's ppo_trainer + alignment group), as rlalign_verl.main_ppo composes it."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="rlalign_verl.configs", version_base=None):
+        return compose("rlalign_ppo_trainer", overrides=list(overrides))
+
+
+def compose_verl(*overrides: str):
+    """verl's own ppo_trainer with our group added through hydra.searchpath, as verl's main_ppo does."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(
+            "ppo_trainer",
+            overrides=["hydra.searchpath=[pkg://rlalign_verl.configs]", "+alignment=default", *overrides],
+        )
+
+
+def resolved(cfg) -> dict:
+    """``cfg`` as a plain dict, interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def valid_config(qwen2_path: str, *extra: str):
+    """A config that passes driver validation (regions rope+swiglu, vllm rollout, the tiny Qwen2), plus ``extra``."""
+    return compose_ours(
+        "alignment.regions=[rope,swiglu]",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.model.path={qwen2_path}",
+        *extra,
+    )
