@@ -1,0 +1,71 @@
+"""The worker side's per-model gate: ``align_module`` on HF models whose config carries the alignment flags."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+def _hf_model(path: str, **flags):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
+    for key, value in flags.items():  # what verl's update_model_config does with override_config
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype="bfloat16")
+
+
+def test_align_module_gates_on_config_flags(qwen2_path, caplog):
+    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.verl.log import logger
+    from rlalign_verl.verl.model_hook import align_module
+
+    plain = _hf_model(qwen2_path)
+    assert align_module(plain, role="critic") is plain and get_alignment(plain) is None
+    off = _hf_model(qwen2_path, rlalign_regions=[], rlalign_engine="vllm")
+    assert get_alignment(align_module(off, role="actor")) is None
+
+    model = _hf_model(qwen2_path, rlalign_regions=["swiglu", "rope"], rlalign_engine="vllm-cpu-eager")
+    logger.propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger="rlalign_verl.verl"):
+            align_module(model, role="actor")
+    finally:
+        logger.propagate = False
+    st = get_alignment(model)
+    assert st.regions == ("rope", "swiglu") and st.profile.name == "vllm-cpu-eager" and not st.compiled
+    assert "aligned Qwen2ForCausalLM (role=actor): regions=rope,swiglu profile=vllm-cpu-eager" in caplog.text
+
+    compiled = _hf_model(
+        qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-cpu", rlalign_compile=True
+    )
+    assert get_alignment(align_module(compiled, role="actor")).compiled
+
+
+def test_align_module_fails_loudly(qwen2_path):
+    from rlalign_verl.errors import UnknownProfileError, UnknownRegionError
+    from rlalign_verl.verl.model_hook import align_module
+
+    with pytest.raises(UnknownProfileError):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="trt"), role="actor")
+    with pytest.raises(UnknownRegionError):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["gelu"], rlalign_engine="vllm"), role="actor")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only worker")
+def test_align_module_checks_the_profile_against_the_worker_device(qwen2_path):
+    from rlalign_verl.errors import ProfileMismatchError
+    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.verl.model_hook import align_module
+
+    with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):
+        align_module(_hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm"), role="actor")
+    moved = _hf_model(
+        qwen2_path, rlalign_regions=["rope"], rlalign_engine="vllm-eager", rlalign_engine_auto=True
+    )
+    assert get_alignment(align_module(moved, role="actor")).profile.name == "vllm-cpu-eager"
+    with pytest.raises(ProfileMismatchError, match="not the vllm rollout engine"):
+        align_module(
+            _hf_model(qwen2_path, rlalign_regions=["rope"], rlalign_engine="hf", rlalign_rollout="vllm")
+        )
