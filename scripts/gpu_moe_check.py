@@ -10,9 +10,15 @@ bit-identical outputs against the engine's ops (``fused_topk`` and ``fused_exper
   each field changed to its other value(s);
 - ``cuda-doc`` (an independent restatement of the same reading), ``hf`` and ``cpu-fused``.
 
+Where ``sglang`` imports, the same rows (prefixed ``sglang``) for the ``sglang`` profile's ``SGLANG_TRITON_MOE``
+(UNVERIFIED, read from sglang 0.5.23) against SGLang's own ops: ``moe_fused_gate`` (router),
+``triton_utils.fused_moe.fused_experts`` (experts + ``moe_combine_topk``) and ``fused_gate_sigmoid_mul_add``
+(Qwen2-MoE's gated shared + routed sum: rows ``block_sum[...]``, each ``block_sum`` value). Without it one
+``sglang rows skipped`` line; a machine where neither engine imports compares nothing and fails.
+
 Exit 1 when a field misses: expert ids not identical, a one-field mutation closer to the engine than the
-profile, or the profile's experts below 99% bit-identical (top-k 2 and 8). Then the data must change before
-``verified`` is set.
+profile, or the profile's experts (or SGLang's block sum) below 99% bit-identical (top-k 2 and 8). Then the
+data must change before ``verified`` is set.
 """
 
 from __future__ import annotations
@@ -130,28 +136,118 @@ def misses(rows: dict[str, float]) -> list[str]:
     return out
 
 
+def block_candidates(x, gate_w, shared, routed) -> dict:
+    """Qwen2-MoE's block output under each ``block_sum`` value (``x`` the block input, ``gate_w`` ``[1, H]``)."""
+    from rlalign_verl.regions.moe import fused_gate_sum
+
+    bf = x.dtype
+    sig = torch.sigmoid(F.linear(x, gate_w))  # the gate Linear and the sigmoid, each stored in bf16
+    return {
+        "profile": fused_gate_sum(x, gate_w, shared, routed),  # block_sum="fused"
+        "fp32": (sig.float() * shared.float() + routed.float()).to(bf),  # Inductor's fp32 sum, rounded here
+        "bf16": (sig * shared) + routed,  # eager ops, each output rounded
+    }
+
+
+def sglang_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, float] | None:
+    """The rows of :func:`moe_rows` and ``block_sum[...]`` for the ``sglang`` profile vs SGLang's own ops;
+    ``None`` (with one printed line) where ``sglang`` does not import."""
+    import dataclasses
+
+    try:
+        from sglang.kernels.ops.elementwise.elementwise import fused_gate_sigmoid_mul_add
+        from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
+        from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    except Exception as exc:  # not installed, or a build that cannot load here: nothing to compare
+        print(f"gpu_moe_check: sglang rows skipped: {type(exc).__name__}: {exc}")
+        return None
+    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
+    from rlalign_verl.regions.moe import mix_experts, route
+
+    prof = get_profile("sglang").moe
+    x, gate_up, down, logits = _inputs(device, seed, top_k)
+    w_eng, ids = moe_fused_gate(logits, None, top_k, scoring_func="softmax", renormalize=True)
+    order = ids.long().argsort(-1)
+    rows: dict[str, float] = {}
+    for name, r in (
+        ("profile", prof),
+        ("router_softmax=topk", dataclasses.replace(prof, router_softmax="topk")),
+    ):
+        w, i = route(logits, top_k, True, r)
+        rows[f"router_ids[{name}]"] = float(torch.equal(i.sort(-1).values, ids.long().sort(-1).values))
+        rows[f"router_weights[{name}]"] = _same(w.float().gather(1, i.argsort(-1)), w_eng.gather(1, order))
+    n_exp = gate_up.shape[0]
+    config = MoeRunnerConfig(num_experts=n_exp, num_local_experts=n_exp, top_k=top_k, inplace=False)
+    y_eng = fused_experts(x, gate_up, down, (w_eng, ids, logits), config)
+    for name, r in _mutations(prof, top_k).items():
+        w = w_eng if r.weights_dtype == "fp32" else w_eng.to(torch.bfloat16)
+        rows[f"experts[{name}]"] = _same(mix_experts(x, ids.long(), w, gate_up, down, r), y_eng)
+    rows["experts[hf]"] = _same(
+        mix_experts(x, ids.long(), w_eng.to(torch.bfloat16), gate_up, down, HF.moe), y_eng
+    )
+    rows["experts[cpu-fused]"] = _same(mix_experts(x, ids.long(), w_eng, gate_up, down, CPU_FUSED_MOE), y_eng)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    gate_w = (torch.randn(1, x.shape[1], generator=g) * 0.05).to(x.dtype).to(device)
+    shared = torch.randn(x.shape, generator=g).to(x.dtype).to(device)
+    out = y_eng.clone()  # the kernel adds the gated shared output into the routed output in place
+    fused_gate_sigmoid_mul_add(x, gate_w.squeeze(0).contiguous(), shared, out)
+    for name, y in block_candidates(x, gate_w, shared, y_eng).items():
+        rows[f"block_sum[{name}]"] = _same(y, out)
+    return rows
+
+
+def sglang_misses(rows: dict[str, float]) -> list[str]:
+    """:func:`misses` plus the block sum: the profile's >= EXPERTS_MIN and at least as close as the others."""
+    out = misses(rows)
+    ours = rows["block_sum[profile]"]
+    if ours < EXPERTS_MIN:
+        out.append(f"block_sum: {100 * ours:.3f}% < {100 * EXPERTS_MIN:.0f}% bit-identical")
+    out += [f"block_sum: {k} is closer" for k, v in rows.items() if k.startswith("block_sum[") and v > ours]
+    return out
+
+
+def _vllm_rows(top_k: int) -> dict[str, float] | None:
+    """:func:`moe_rows`, or ``None`` (one printed line) where vLLM does not import."""
+    try:
+        import vllm.model_executor.layers.fused_moe.fused_moe  # noqa: F401
+    except Exception as exc:  # not installed, or a build that cannot load here
+        print(f"gpu_moe_check: vllm rows skipped: {type(exc).__name__}: {exc}")
+        return None
+    return moe_rows(top_k=top_k)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu_moe_check: skipped: no CUDA device (run on a GPU machine with vLLM installed)")
+        print("gpu_moe_check: skipped: no CUDA device (run on a GPU machine with vLLM or SGLang installed)")
         return 0
     result, failed = {}, []
-    for top_k in (2, 8):  # 2: moe_sum's bf16 running sum; 8: above slot_sum_bf16_max_k (fp32 sum)
-        rows = moe_rows(top_k=top_k)
-        for name, frac in rows.items():
-            print(f"top-{top_k} {name:<44} {100 * frac:8.3f}% bit-identical")
-        result[f"top{top_k}"] = rows
-        failed += [f"top-{top_k} {m}" for m in misses(rows)]
+    engines = (("", _vllm_rows, misses), ("sglang ", lambda k: sglang_rows(top_k=k), sglang_misses))
+    for prefix, rows_of, misses_of in engines:
+        for top_k in (2, 8):  # 2: a bf16 add of two slots; 8: above either profile's slot_sum_bf16_max_k
+            try:
+                rows = rows_of(top_k)
+            except Exception as exc:  # an op that imports but cannot run is a miss, not a crash
+                failed.append(f"{prefix}top-{top_k} {type(exc).__name__}: {exc}")
+                continue
+            if rows is None:
+                break
+            for name, frac in rows.items():
+                print(f"{prefix}top-{top_k} {name:<44} {100 * frac:8.3f}% bit-identical")
+            result[f"{prefix.strip()}_top{top_k}".lstrip("_")] = rows
+            failed += [f"{prefix}top-{top_k} {m}" for m in misses_of(rows)]
+    if not result:
+        failed.append("nothing compared: neither vLLM nor sglang imports on this machine")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "misses": failed}, f, indent=1)
     for m in failed:
         print(f"MISS {m}")
     print(
-        "gpu_moe_check: "
-        + ("FAILED: the vllm profile's MoE rounding is not what the GPU does" if failed else "ok")
+        "gpu_moe_check: " + ("FAILED: a profile's MoE rounding is not what the GPU does" if failed else "ok")
     )
     return 1 if failed else 0
 

@@ -38,7 +38,8 @@ End-to-end step (when ``vllm`` is among ``--profiles``; ``--no-e2e`` skips it, `
 (vLLM's CUDA build on CUDA), recomputes them with each region setting and the floor, and fails when all
 regions do not reach the floor's interval or are not below ``none`` (key ``e2e`` in the JSON).
 On CUDA it also runs ``scripts/gpu_moe_check.py``'s rows (vLLM's fused MoE router and experts vs the
-``vllm`` profile's MoE data, top-k 2 and 8; key ``moe``); each of its misses is a problem.
+``vllm`` profile's MoE data, top-k 2 and 8; key ``moe``; where sglang imports, SGLang's router, experts and
+Qwen2-MoE block sum vs the ``sglang`` profile's, keys ``moe.sglang_top2/8``); each of its misses is a problem.
 """
 
 from __future__ import annotations
@@ -820,7 +821,8 @@ def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] |
 
 
 def _moe_step(device: str) -> dict[str, Any] | None:
-    """scripts/gpu_moe_check.py's rows and misses at top-k 2 and 8 (CUDA only: it runs vLLM's fused MoE ops)."""
+    """scripts/gpu_moe_check.py's rows and misses at top-k 2 and 8 (CUDA only: it runs vLLM's fused MoE ops, and
+    SGLang's where sglang imports: keys ``sglang_top2``/``sglang_top8``)."""
     if device != "cuda":
         return None
     spec = importlib.util.spec_from_file_location(
@@ -841,6 +843,19 @@ def _moe_step(device: str) -> dict[str, Any] | None:
         result["misses"] += [f"moe top-{top_k}: {m}" for m in moe_check.misses(rows)]
         for name, frac in rows.items():
             print(f"moe top-{top_k} {name:<44} {100 * frac:8.3f}% bit-identical")
+    for top_k in (2, 8):  # the sglang profile's MoE data vs SGLang's ops, where sglang imports
+        try:
+            rows = moe_check.sglang_rows(device, top_k=top_k)
+        except Exception as exc:
+            traceback.print_exc()
+            result["misses"].append(f"moe sglang top-{top_k}: {type(exc).__name__}: {exc}")
+            continue
+        if rows is None:
+            break
+        result[f"sglang_top{top_k}"] = rows
+        result["misses"] += [f"moe sglang top-{top_k}: {m}" for m in moe_check.sglang_misses(rows)]
+        for name, frac in rows.items():
+            print(f"moe sglang top-{top_k} {name:<37} {100 * frac:8.3f}% bit-identical")
     return result
 
 

@@ -1,4 +1,5 @@
-"""scripts/gpu_moe_check.py: skips cleanly without CUDA; its written-down CUDA formula is a distinct rounding."""
+"""scripts/gpu_moe_check.py: skips cleanly without CUDA (and its SGLang rows without sglang); its written-down
+CUDA formula is a distinct rounding; each block-sum candidate of the SGLang rows gives different bits."""
 
 from __future__ import annotations
 
@@ -103,4 +104,47 @@ def test_misses_name_each_failure() -> None:
         "router: expert ids differ",
         "experts: 98.000% < 99% bit-identical",
         "experts: experts[combine=bf16] is closer",
+    ]
+
+
+def test_sglang_rows_skip_cleanly_without_sglang(capsys) -> None:
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        assert _load().sglang_rows("cpu") is None
+        assert "sglang rows skipped" in capsys.readouterr().out
+
+
+def test_block_candidates_are_distinct_and_the_profile_is_the_fused_sum() -> None:
+    from rlalign_verl.regions.moe import fused_gate_sum
+
+    g = torch.Generator().manual_seed(5)
+    x, shared, routed = (torch.randn(64, 256, generator=g).to(torch.bfloat16) for _ in range(3))
+    gate_w = (torch.randn(1, 256, generator=g) * 0.05).to(torch.bfloat16)
+    cands = _load().block_candidates(x, gate_w, shared, routed)
+    assert torch.equal(cands["profile"], fused_gate_sum(x, gate_w, shared, routed))
+    assert all(t.dtype == torch.bfloat16 for t in cands.values())
+    names = sorted(cands)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert 0.2 < (cands[a] == cands[b]).float().mean().item() < 0.999, (a, b)
+
+
+def test_sglang_misses_add_the_block_sum() -> None:
+    good = {
+        "router_ids[profile]": 1.0,
+        "router_weights[profile]": 0.97,
+        "router_weights[router_softmax=topk]": 0.5,
+        "experts[profile]": 0.995,
+        "experts[hf]": 0.4,
+        "block_sum[profile]": 0.999,
+        "block_sum[fp32]": 0.6,
+        "block_sum[bf16]": 0.5,
+    }
+    mod = _load()
+    assert mod.sglang_misses(good) == []
+    bad = {**good, "block_sum[profile]": 0.9, "block_sum[fp32]": 0.95}
+    assert mod.sglang_misses(bad) == [
+        "block_sum: 90.000% < 99% bit-identical",
+        "block_sum: block_sum[fp32] is closer",
     ]
