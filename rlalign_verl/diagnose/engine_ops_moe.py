@@ -3,7 +3,8 @@
 - :func:`route`: ``CPURouter``'s softmax top-k (``fused_moe/router/cpu_router.py::_softmax_topk``),
   eagerly (``enforce_eager=True``) or through Inductor with the CPU platform's options (the default
   path traces the router into the whole-model graph: on CPU ``MoERunner._select_forward`` calls the
-  forward directly, not the opaque ``torch.ops.vllm.moe_forward``).
+  forward directly, not the opaque ``torch.ops.vllm.moe_forward``), compiled as in that graph: the token
+  count dynamic, experts and top-k static (checked against the real engine's weights: docs/moe.md).
 - :func:`fused_experts`: ``torch.ops._C.cpu_fused_moe`` on prepacked weights, the op
   ``CPUUnquantizedExperts.apply`` calls (an opaque custom op on both paths), with the ISA the engine picks
   (``amx`` where AMX tiles are usable, else ``vec``).
@@ -36,8 +37,38 @@ def route(
     """``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` as the engine's CPU router computes them."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
-    fn = _compiled(_softmax_topk) if compiled else _softmax_topk
-    return fn(logits, top_k, renormalize)
+    if not compiled:
+        return _softmax_topk(logits, top_k, renormalize)
+    n = logits.shape[0]
+    x = torch.cat((logits, logits[:1])) if n < 2 else logits.clone()  # no size-1 specialisation
+    torch._dynamo.mark_dynamic(x, 0)  # the token count is the engine graph's only dynamic size
+    w, ids = _compiled_router(logits.shape[-1], logits.dtype, top_k, renormalize)(x)
+    return w[:n], ids[:n]
+
+
+_ROUTERS: dict[tuple, object] = {}
+
+
+def _compiled_router(experts: int, dtype: torch.dtype, top_k: int, renormalize: bool):
+    """``_softmax_topk`` compiled as inside the engine's graph: top-k and renormalisation are constants of the
+    graph, experts static, one Dynamo cache per variant (so no earlier variant makes a size dynamic: with
+    every size dynamic Inductor writes another kernel, e.g. 86-91% of the weights at 8 experts unrenormalised)."""
+    import types
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
+
+    from .engine_ops import CPU_INDUCTOR_OPTIONS
+
+    key = (experts, dtype, top_k, renormalize)
+    if key not in _ROUTERS:
+
+        def router(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _softmax_topk(logits, top_k, renormalize)
+
+        code = router.__code__.replace(co_name=f"router_{abs(hash(key)):x}")
+        fn = types.FunctionType(code, router.__globals__, code.co_name, None, router.__closure__)
+        _ROUTERS[key] = torch.compile(fn, backend="inductor", fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
+    return _ROUTERS[key]
 
 
 @torch.no_grad()
