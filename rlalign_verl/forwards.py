@@ -41,6 +41,8 @@ class AlignmentState:
     """Norm forwards compiled by Inductor as the engine compiles them (:mod:`.regions.inductor_norm`)."""
     unverified: tuple[str, ...] = ()
     """Unverified profile data opted into, e.g. ``("moe",)`` (:mod:`rlalign_verl.unverified`)."""
+    moe_variant: str = "emulate"
+    """MoE experts + combine: ``emulate`` (PyTorch) or ``engine-op`` (:mod:`.regions.moe_engine_op`)."""
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
@@ -48,6 +50,7 @@ class AlignmentState:
         extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
         extra += " compiled_norm" if self.compiled_norm else ""
         extra += f" unverified={','.join(self.unverified)}" if self.unverified else ""
+        extra += f" moe_variant={self.moe_variant}" if self.moe_variant != "emulate" else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere

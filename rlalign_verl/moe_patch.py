@@ -105,11 +105,17 @@ def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> 
     return dataclasses.replace(HF.moe, **fields)
 
 
-def _experts_forward(rounding: MoeRounding) -> Callable:
+def _experts_forward(rounding: MoeRounding, variant: str = "emulate") -> Callable:
+    """The routed experts + combine: emulated in PyTorch, or the engine's own op (``moe_variant``)."""
+    if variant == "engine-op":
+        from .regions.moe_engine_op import engine_experts
+
+        mix = engine_experts
+    else:
+        mix = mix_experts
+
     def forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        return mix_experts(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, rounding
-        )
+        return mix(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, rounding)
 
     return forward
 
@@ -156,14 +162,18 @@ def bind_moe(
     profile_moe: MoeRounding | None,
     regions: tuple[str, ...],
     bind: Callable,
+    moe_variant: str = "emulate",
 ) -> None:
-    """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances."""
+    """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances.
+
+    ``moe_variant="engine-op"``: the experts + combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.regions.moe_engine_op`).
+    """
     if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
         return
     rounding = effective_moe(profile_moe, regions)
     experts_cls = family.cls("experts")
     router_cls = family.cls("router")
-    experts_fwd = _experts_forward(rounding)
+    experts_fwd = _experts_forward(rounding, moe_variant)
     router_fwd = _router_forward(rounding) if "moe" in regions else None
     block_fwd = _BLOCK_FORWARDS.get(rounding.block_sum)
     block_cls = family.cls("moe_block") if block_fwd is not None else ()

@@ -32,6 +32,7 @@ from .forwards import (
 from .guard import SAVED_FORWARD, check_intact, check_model_arg
 from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
+from .moe_variant import check_moe_variant, check_moe_variant_model, parse_moe_variant
 from .options import parse_bool
 from .profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from .regions import normalize_regions
@@ -127,6 +128,7 @@ def _patch_instance(
     _check_not_liger(model, family)
     check_moe_config(config, family, profile, regions, options.get("unverified", ()))
     check_compiled_norm_model(model_type, bool(options.get("compiled_norm")))
+    check_moe_variant_model(model_type, str(options.get("moe_variant", "emulate")))
 
     current = _state(model)
     if current is not None:
@@ -151,7 +153,7 @@ def _patch_instance(
             _bind(m, mlp_fwd)
         elif layer_fwd and isinstance(m, layer_cls):
             _bind(m, layer_fwd)
-    bind_moe(model, family, profile.moe, regions, _bind)
+    bind_moe(model, family, profile.moe, regions, _bind, st.moe_variant)
     if layer_fwd:
         _bind(base.norm, final_norm_forward(st))
         if carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a per-forward carry
@@ -255,6 +257,7 @@ def apply_alignment(
     head_dtype: str | None = "float32",
     compiled_norm: bool = False,
     unverified: Iterable[str] | str | None = None,
+    moe_variant: str = "emulate",
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to ``engine``'s rounding in ``regions``.
 
@@ -269,7 +272,9 @@ def apply_alignment(
     forwards through Inductor with the engine's options and kernel shapes: bit-exact with the engine's kernels.
     ``unverified``: profile data not yet checked against the engine that you opt into (``("moe",)``: the CUDA
     profiles' MoE rounding, needed to align swiglu/moe of an MoE model with them); ``RLALIGN_UNVERIFIED=moe``
-    is an equivalent spelling, added to this.
+    is an equivalent spelling, added to this. ``moe_variant``: MoE experts + combine ``"emulate"`` (default,
+    PyTorch math) or ``"engine-op"`` (opt-in; vllm-cpu profiles with swiglu and moe aligned on an MoE model:
+    vLLM CPU's own ``cpu_fused_moe`` in forward, the emulated path's gradients; needs vLLM in the process).
     Idempotent; ``regions=()`` changes nothing. Raises ``UnknownRegionError``, ``UnknownProfileError``,
     ``UnsupportedModelError`` or ``LigerConflictError`` with a message naming the fix.
     """
@@ -285,6 +290,9 @@ def apply_alignment(
         "head_dtype": parse_head_dtype(head_dtype),
         "compiled_norm": compiled_norm,
         "unverified": resolve_unverified(unverified),
+        "moe_variant": check_moe_variant(profile, regions_t, moe_variant)
+        if regions_t
+        else parse_moe_variant(moe_variant),
     }
     if "attention" in regions_t:
         check_attention_supported(profile, attention)
@@ -294,7 +302,9 @@ def apply_alignment(
                 "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
             )
         if regions_t:
-            opts = {k: options[k] for k in ("attention_variant", "compiled_norm")}  # lm_head: refused above
+            opts = {
+                k: options[k] for k in ("attention_variant", "compiled_norm", "moe_variant")
+            }  # lm_head: refused
             _install_class_hooks(regions_t, profile, compile, kernels_, options["unverified"], **opts)
         else:
             _remove_class_hooks()
@@ -331,6 +341,7 @@ def aligned(
     head_dtype: str | None = "float32",
     compiled_norm: bool = False,
     unverified: Iterable[str] | str | None = None,
+    moe_variant: str = "emulate",
 ) -> Iterator[nn.Module | None]:
     """Context-manager form: aligned inside the block, restored on exit."""
     previous = _state(model) if model is not None else None
@@ -344,6 +355,7 @@ def aligned(
         head_dtype=head_dtype,
         compiled_norm=compiled_norm,
         unverified=unverified,
+        moe_variant=moe_variant,
     )
     try:
         yield model
@@ -360,4 +372,5 @@ def aligned(
                 head_dtype=previous.head_dtype,
                 compiled_norm=previous.compiled_norm,
                 unverified=previous.unverified,
+                moe_variant=previous.moe_variant,
             )

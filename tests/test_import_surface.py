@@ -20,6 +20,7 @@ HEAVY = ("vllm", "matplotlib")
 ALLOWED = {
     "verl/cpu/fixes.py": "opt-in CPU adaptations (RLALIGN_VERL_CPU=1) patch the vLLM rollout server itself",
     "regions/attention.py": "opt-in attention region runs the engine's own CPU attention op (lazy import)",
+    "regions/moe_engine_op.py": "opt-in moe_variant=engine-op runs the engine's own CPU expert op (lazy import)",
 }
 
 

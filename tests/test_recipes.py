@@ -101,6 +101,7 @@ def test_recipe_composes_and_verl_accepts_it(recipe):
             "head_dtype": "float32",
             "unverified": [],
             "compiled_norm": False,
+            "moe_variant": "emulate",
         }
         assert plain["actor_rollout_ref"]["model"]["override_config"]["rlalign_regions"] == regions
         assert plain["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True

@@ -34,6 +34,7 @@ def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
         "head_dtype": "float32",
         "unverified": [],
         "compiled_norm": False,
+        "moe_variant": "emulate",
     }
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
     assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
@@ -115,6 +116,7 @@ def test_cfg_job_subprocess():
             "head_dtype": "float32",
             "unverified": [],
             "compiled_norm": False,
+            "moe_variant": "emulate",
         }
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
             "rlalign_regions": want,

@@ -108,3 +108,45 @@ def test_compiled_norm_is_refused_for_moe_on_the_driver(tmp_path):
     with pytest.raises(AlignmentError, match="dense models only") as e:
         validate_config(bad, on_cuda=False)
     assert "\n" not in str(e.value)
+
+
+def test_moe_variant_on_the_driver(tmp_path, path):
+    """alignment.moe_variant=engine-op reaches the workers' apply_alignment (vllm-cpu, swiglu+moe, an MoE
+    checkpoint); refused on the driver, one line each, for a CUDA profile, moe without swiglu, a dense model."""
+    import json
+    from types import SimpleNamespace
+
+    from rlalign_verl.errors import AlignmentError, UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_act": "silu"}))
+    moe = str(tmp_path)
+    cfg = _cfg(moe, "alignment.regions=[rope,swiglu,rmsnorm,moe]", "alignment.moe_variant=engine-op")
+    assert validate_config(cfg, on_cuda=False)[1] == "vllm-cpu"
+    assert _override(cfg)["rlalign_moe_variant"] == "engine-op"
+    assert opt_in_options(SimpleNamespace(rlalign_moe_variant="engine-op")) == {"moe_variant": "engine-op"}
+    assert "rlalign_moe_variant" not in _override(_cfg(moe, "alignment.regions=[rope,swiglu,rmsnorm,moe]"))
+    bad = {
+        "cuda profile": (
+            moe,
+            ["alignment.regions=[swiglu,moe]", "alignment.unverified=[moe]"],
+            True,
+            "vllm-cpu",
+        ),
+        "moe without swiglu": (moe, ["alignment.regions=[rope,moe]"], False, "add swiglu"),
+        "dense model": (path, ["alignment.regions=[swiglu,moe]"], False, "needs an MoE model"),
+        "unknown": (
+            moe,
+            ["alignment.regions=[swiglu,moe]", "alignment.moe_variant=fast"],
+            False,
+            "use one of",
+        ),
+    }
+    for case, (model, extra, on_cuda, fragment) in bad.items():
+        overrides = ["alignment.moe_variant=engine-op", *extra]
+        with pytest.raises(AlignmentError) as e:
+            validate_config(_cfg(model, *overrides), on_cuda=on_cuda)
+        assert "\n" not in str(e.value) and fragment in str(e.value), (case, str(e.value))
+    with pytest.raises(UnsupportedModelError):
+        validate_config(
+            _cfg(path, "alignment.regions=[swiglu,moe]", "alignment.moe_variant=engine-op"), on_cuda=False
+        )

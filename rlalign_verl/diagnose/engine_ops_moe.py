@@ -14,20 +14,16 @@ Import-heavy (imports vLLM): import only where the engine is wanted.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .engine_ops import _compiled
 
 
-@functools.cache
 def cpu_isa() -> str:
     """The ISA vLLM's CPU experts use here: ``amx`` (X86CPUUnquantizedExperts) or ``vec``."""
-    if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()  # the engine's worker does this at start; without it AMX tiles fault
-        return "amx"
-    return "vec"
+    from ..regions.moe_engine_op import engine_isa
+
+    return engine_isa()
 
 
 @torch.no_grad()

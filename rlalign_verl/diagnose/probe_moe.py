@@ -9,7 +9,9 @@ On the model's first sparse block (its real gate and expert weights) and the pro
 - ``experts``: :func:`~rlalign_verl.regions.moe.mix_experts` (experts + weighted combine) vs
   ``torch.ops._C.cpu_fused_moe``, both fed the engine's routing, so this row isolates the expert math.
 
-Only profiles with an MoE rounding (``EngineProfile.moe``) get rows. Imports vLLM.
+Only profiles with an MoE rounding (``EngineProfile.moe``) get rows; the vLLM CPU profiles get a second row
+``"<profile> moe_variant=engine-op"`` whose experts are the aligned engine-op forward (the router row is
+the profile's). Imports vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .probe import compare
+
+VARIANT_SUFFIX = "moe_variant=engine-op"
 
 
 def sparse_block(model: Any) -> Any | None:
@@ -71,4 +75,27 @@ def moe_probe(model: Any, x: torch.Tensor, compiled: bool) -> dict[str, Any] | N
     y = em.fused_experts(x, ex.gate_up_proj.detach(), ex.down_proj.detach(), w, ids)
     w_sorted, ids_sorted = _by_expert(w, ids)
     eng = dict(logits=logits, w=w.float(), ids=ids, y=y, w_sorted=w_sorted, ids_sorted=ids_sorted)
-    return {name: _rows(block, x, prof, eng) for name, prof in PROFILES.items() if prof.moe is not None}
+    rows = {name: _rows(block, x, prof, eng) for name, prof in PROFILES.items() if prof.moe is not None}
+    rows.update(_engine_op_rows(block, x, eng, rows))
+    return rows
+
+
+def _engine_op_rows(block: Any, x: torch.Tensor, eng: dict[str, torch.Tensor], rows: dict) -> dict[str, Any]:
+    """``"<profile> moe_variant=engine-op"`` rows for the profiles that variant mirrors: the aligned experts
+    forward (:func:`~rlalign_verl.regions.moe_engine_op.engine_experts`: padding, packing, dtypes) vs the op."""
+    from ..errors import AlignmentError
+    from ..moe_variant import check_moe_variant
+    from ..profiles import PROFILES
+    from ..regions.moe_engine_op import engine_experts
+
+    out = {}
+    for name, prof in PROFILES.items():
+        try:
+            check_moe_variant(prof, ("swiglu", "moe"), "engine-op")
+        except AlignmentError:
+            continue
+        weights = eng["w"].to(x.dtype) if prof.moe.weights_dtype == "bf16" else eng["w"]
+        ex = block.experts
+        y = engine_experts(x, eng["ids"].long(), weights, ex.gate_up_proj, ex.down_proj, prof.moe)
+        out[f"{name} {VARIANT_SUFFIX}"] = {"router": rows[name]["router"], "experts": compare(eng["y"], y)}
+    return out

@@ -43,6 +43,14 @@ def moe_model_type(argv: Sequence[str]) -> str | None:
     """The model type of a local MoE checkpoint given to OpenRLHF, else None (dense, remote or unreadable)."""
     from ..families import FAMILIES
 
+    model_type = local_model_type(argv)
+    return model_type if model_type is not None and FAMILIES[model_type].experts is not None else None
+
+
+def local_model_type(argv: Sequence[str]) -> str | None:
+    """The model type of a local checkpoint of a supported family given to OpenRLHF, else None."""
+    from ..families import FAMILIES
+
     path = _flag(argv, spellings("model_path"))
     config = Path(path).expanduser() / "config.json" if path else None
     if config is None or not config.is_file():
@@ -52,7 +60,7 @@ def moe_model_type(argv: Sequence[str]) -> str | None:
     except (OSError, ValueError):
         return None  # not ours to diagnose here: the workers' apply_alignment names the problem
     family = FAMILIES.get(data.get("model_type")) if isinstance(data, dict) else None
-    return family.model_type if family is not None and family.experts is not None else None
+    return family.model_type if family is not None else None
 
 
 def check_moe_parallel(

@@ -18,6 +18,9 @@ Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
 ``--alignment.compiled_norm``  true | false: run the aligned norms compiled as the engine compiles them
                          (``apply_alignment(compiled_norm=True)``; needs a profile with Inductor norm options,
                          i.e. ``--alignment.engine vllm-cpu``, and a dense model). Default false.
+``--alignment.moe_variant``  emulate | engine-op: MoE experts + combine in PyTorch (default) or by vLLM CPU's own
+                         ``cpu_fused_moe`` (``apply_alignment(moe_variant=...)``; vllm-cpu profiles with swiglu
+                         and moe aligned, an MoE model, vLLM's CPU build in the workers).
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
 """
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AlignmentError, LigerConflictError, ProfileMismatchError
+from ..moe_variant import parse_moe_variant
 from ..options import parse_bool
 from ..profiles import get_profile
 from ..regions import normalize_regions
@@ -43,10 +47,19 @@ ENV_METRICS = "RLALIGN_METRICS"
 ENV_COLLECT = "RLALIGN_COLLECT_ROLLOUT_LOGPROBS"
 ENV_AUTO = "RLALIGN_ENGINE_AUTO"
 ENV_COMPILED_NORM = "RLALIGN_COMPILED_NORM"
-ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO, ENV_COMPILED_NORM)
+ENV_MOE_VARIANT = "RLALIGN_MOE_VARIANT"
+ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO, ENV_COMPILED_NORM, ENV_MOE_VARIANT)
 
 FLAG_PREFIX = "--alignment."
-FLAGS = ("regions", "engine", "metrics", "collect_rollout_logprobs", "unverified", "compiled_norm")
+FLAGS = (
+    "regions",
+    "engine",
+    "metrics",
+    "collect_rollout_logprobs",
+    "unverified",
+    "compiled_norm",
+    "moe_variant",
+)
 
 # OpenRLHF flags the plugin reads (all spellings: rlalign_verl/openrlhf/flags.py).
 ENFORCE_EAGER_FLAGS = spellings("enforce_eager")
@@ -70,6 +83,8 @@ class Settings:
     """``--alignment.unverified``: unverified profile data opted into (rlalign_verl.unverified)."""
     compiled_norm: bool = False
     """``--alignment.compiled_norm``: the workers' norms compiled as the engine compiles them."""
+    moe_variant: str = "emulate"
+    """``--alignment.moe_variant``: the workers' MoE experts emulated or run by the engine's op."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", normalize_regions(self.regions))
@@ -77,6 +92,7 @@ class Settings:
             self, "unverified", parse_unverified(self.unverified, name="--alignment.unverified")
         )
         object.__setattr__(self, "profile", get_profile(self.profile).name)
+        object.__setattr__(self, "moe_variant", parse_moe_variant(self.moe_variant))
 
     def to_env(self) -> dict[str, str]:
         """The env vars that carry these settings to the Ray workers."""
@@ -87,6 +103,7 @@ class Settings:
             ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
             ENV_AUTO: "1" if self.auto else "0",
             ENV_COMPILED_NORM: "1" if self.compiled_norm else "0",
+            ENV_MOE_VARIANT: self.moe_variant,
             UNVERIFIED_ENV: ",".join(
                 self.unverified
             ),  # the workers read the resolved opt-in, not their own env
@@ -106,6 +123,7 @@ class Settings:
             auto=parse_bool(env.get(ENV_AUTO, "0"), name=ENV_AUTO),
             unverified=parse_unverified(env.get(UNVERIFIED_ENV), name=UNVERIFIED_ENV),
             compiled_norm=parse_bool(env.get(ENV_COMPILED_NORM, "0"), name=ENV_COMPILED_NORM),
+            moe_variant=env.get(ENV_MOE_VARIANT) or "emulate",
         )
 
     def describe(self) -> str:
@@ -115,6 +133,7 @@ class Settings:
             f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
             + (f" unverified={','.join(self.unverified)}" if self.unverified else "")
             + (" compiled_norm" if self.compiled_norm else "")
+            + (f" moe_variant={self.moe_variant}" if self.moe_variant != "emulate" else "")
         )
 
 
@@ -201,6 +220,20 @@ def check_compiled_norm_flag(regions: Sequence[str], profile: str, on: bool, arg
         check_compiled_norm_model(model_type, on)
 
 
+def check_moe_variant_flag(regions: Sequence[str], profile: str, variant: str, argv: Sequence[str]) -> str:
+    """``--alignment.moe_variant``: engine-op needs a vllm-cpu profile, swiglu and moe, an MoE model."""
+    from ..moe_variant import check_moe_variant, check_moe_variant_model
+    from .moe_checks import local_model_type
+
+    if not regions:
+        return parse_moe_variant(variant)
+    variant = check_moe_variant(get_profile(profile), tuple(regions), variant)
+    model_type = local_model_type(argv)
+    if model_type is not None:
+        check_moe_variant_model(model_type, variant)
+    return variant
+
+
 def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
     """Refuse Liger kernels together with alignment: both replace the same forwards."""
     if regions and switch_on(argv, LIGER_FLAGS):
@@ -241,6 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--alignment.compiled_norm", dest="compiled_norm", nargs="?", const="true", default="false"
     )
+    p.add_argument("--alignment.moe_variant", dest="moe_variant", default="emulate")
     p.add_argument("--address", dest="address", default=None)
     return p
 
@@ -268,6 +302,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     check_moe_parallel(regions, rest, profile, unverified)
     compiled_norm = parse_bool(ns.compiled_norm, name="--alignment.compiled_norm")
     check_compiled_norm_flag(regions, profile, compiled_norm, rest)
+    moe_variant = check_moe_variant_flag(regions, profile, ns.moe_variant, rest)
     settings = Settings(
         regions=regions,
         profile=profile,
@@ -276,6 +311,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
         auto=str(ns.engine).strip().lower() == "auto",
         unverified=unverified,
         compiled_norm=compiled_norm,
+        moe_variant=moe_variant,
     )
     return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
 

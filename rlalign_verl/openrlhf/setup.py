@@ -150,6 +150,7 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
         engine=profile,
         unverified=settings.unverified,
         compiled_norm=settings.compiled_norm,
+        moe_variant=settings.moe_variant,
     )
     state = get_alignment(hf_model)
     logger.info(

@@ -313,6 +313,10 @@ def _check_opt_in_regions(config: Any, regions: tuple[str, ...], profile: str | 
 
         on = parse_bool(_select(config, "alignment.compiled_norm"), name="alignment.compiled_norm")
         check_compiled_norm(get_profile(profile), regions, on)
+    if regions:
+        from ..moe_variant import check_moe_variant
+
+        check_moe_variant(get_profile(profile), regions, _select(config, "alignment.moe_variant"))
     write_worker_options(config, regions, reconcile_head_dtype(config, regions), _unverified(config))
 
 
@@ -366,6 +370,9 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> tuple[tuple[
                 cn_key = "alignment.compiled_norm"
                 cn = parse_bool(_select(config, cn_key) or False, name=cn_key)
                 check_compiled_norm_model(model_type, cn)
+            from ..moe_variant import check_moe_variant_model, parse_moe_variant
+
+            check_moe_variant_model(model_type, parse_moe_variant(_select(config, "alignment.moe_variant")))
         if (
             not (on_cuda if on_cuda is not None else cuda_available())
             and get_profile(profile).device == "cuda"

@@ -24,6 +24,8 @@ UNVERIFIED_KEY = "rlalign_unverified"
 """HF-config attribute carrying ``alignment.unverified`` (opted-in unverified profile data) to the workers."""
 COMPILED_NORM_KEY = "rlalign_compiled_norm"
 """HF-config attribute carrying ``alignment.compiled_norm`` (set only when true) to the workers."""
+MOE_VARIANT_KEY = "rlalign_moe_variant"
+"""HF-config attribute carrying ``alignment.moe_variant`` (set only when not ``emulate``) to the workers."""
 VLLM_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
 
@@ -97,7 +99,8 @@ def reconcile_head_dtype(config: Any, regions: tuple[str, ...]) -> str | None:
 def write_worker_options(
     config: Any, regions: tuple[str, ...], head: str | None, unverified: tuple[str, ...] = ()
 ) -> None:
-    """Put the head dtype, the attention variant and the unverified opt-in where the actor and ref read them."""
+    """Put the head dtype, the attention and MoE variants, the unverified opt-in and compiled_norm where the actor
+    and ref read them."""
     from omegaconf import OmegaConf, open_dict
 
     from .config import OVERRIDE_PATH
@@ -118,3 +121,7 @@ def write_worker_options(
             node[ATTENTION_KEY] = str(_select(config, "alignment.attention") or "engine-op")
         if parse_bool(_select(config, "alignment.compiled_norm") or False, name="alignment.compiled_norm"):
             node[COMPILED_NORM_KEY] = True
+        node.pop(MOE_VARIANT_KEY, None)
+        variant = str(_select(config, "alignment.moe_variant") or "emulate").strip().lower()
+        if regions and variant != "emulate":  # validated on the driver (config.py) before this
+            node[MOE_VARIANT_KEY] = variant

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import AlignmentError
 from ..wrap_once import wrap_once
 from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
-from .head_dtype import ATTENTION_KEY, COMPILED_NORM_KEY, HEAD_DTYPE_KEY, UNVERIFIED_KEY
+from .head_dtype import ATTENTION_KEY, COMPILED_NORM_KEY, HEAD_DTYPE_KEY, MOE_VARIANT_KEY, UNVERIFIED_KEY
 from .log import logger
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -125,6 +125,8 @@ def opt_in_options(hf_config: Any) -> dict[str, Any]:
         out["unverified"] = raw if isinstance(raw, str) else [str(v) for v in raw]
     if getattr(hf_config, COMPILED_NORM_KEY, None):
         out["compiled_norm"] = True
+    if getattr(hf_config, MOE_VARIANT_KEY, None):
+        out["moe_variant"] = str(getattr(hf_config, MOE_VARIANT_KEY))
     return out
 
 
@@ -141,7 +143,7 @@ def strip_flags(*configs: Any) -> None:
         ATTENTION_KEY,
     )
     for cfg in configs:
-        for key in (*keys, UNVERIFIED_KEY, COMPILED_NORM_KEY):
+        for key in (*keys, UNVERIFIED_KEY, COMPILED_NORM_KEY, MOE_VARIANT_KEY):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 

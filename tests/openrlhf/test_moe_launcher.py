@@ -122,3 +122,41 @@ def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
     assert "\n" not in str(e.value)
     dense = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2")])
     assert dense.settings.compiled_norm is True
+
+
+def test_moe_variant_flag(tmp_path):
+    """--alignment.moe_variant engine-op: carried to every Ray worker's apply_alignment; refused by the launcher,
+    one line each, with a CUDA profile, without swiglu or moe, on a dense checkpoint, for an unknown name."""
+    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.openrlhf.settings import Settings
+    from rlalign_verl.openrlhf.train_ppo_ray import runtime_env
+
+    moe, dense = _model(tmp_path, "qwen3_moe"), _model(tmp_path, "qwen2")
+    argv = [
+        "--alignment.regions",
+        "all,moe",
+        "--alignment.engine",
+        "vllm-cpu",
+        "--alignment.moe_variant",
+        "engine-op",
+    ]
+    opts = parse_launcher_args([*argv, "--actor.model_name_or_path", moe])
+    env = runtime_env(opts.settings)["env_vars"]
+    assert env["RLALIGN_MOE_VARIANT"] == "engine-op" and Settings.from_env(env).moe_variant == "engine-op"
+    assert "moe_variant=engine-op" in opts.settings.describe()
+    plain = parse_launcher_args(["--alignment.regions", "all,moe", "--alignment.engine", "vllm-cpu"])
+    assert plain.settings.moe_variant == "emulate"
+    bad = {
+        "cuda profile": (
+            ["--alignment.engine", "auto", "--alignment.unverified", "moe"],
+            moe,
+            "vllm-cpu profiles",
+        ),
+        "no moe region": (["--alignment.regions", "rope,swiglu"], moe, "add moe"),
+        "dense model": ([], dense, "needs an MoE model"),
+        "unknown": (["--alignment.moe_variant", "fused"], moe, "use one of"),
+    }
+    for case, (extra, model, fragment) in bad.items():
+        with pytest.raises(AlignmentError) as e:
+            parse_launcher_args([*argv, *extra, "--actor.model_name_or_path", model])
+        assert "\n" not in str(e.value) and fragment in str(e.value), (case, str(e.value))

@@ -117,6 +117,7 @@ def test_settings_travel_by_env_vars():
         "RLALIGN_COLLECT_ROLLOUT_LOGPROBS": "1",
         "RLALIGN_ENGINE_AUTO": "0",
         "RLALIGN_COMPILED_NORM": "0",
+        "RLALIGN_MOE_VARIANT": "emulate",
         "RLALIGN_UNVERIFIED": "",  # the resolved opt-in (none) overrides a worker's own env
     }
     assert Settings.from_env(env) == s
