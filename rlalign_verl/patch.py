@@ -153,7 +153,7 @@ def _patch_instance(
             _bind(m, mlp_fwd)
         elif layer_fwd and isinstance(m, layer_cls):
             _bind(m, layer_fwd)
-    bind_moe(model, family, profile.moe, regions, _bind, st.moe_variant)
+    bind_moe(model, family, profile, regions, _bind, st.moe_variant)
     if layer_fwd:
         _bind(base.norm, final_norm_forward(st))
         if carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a per-forward carry

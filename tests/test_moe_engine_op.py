@@ -127,28 +127,41 @@ def _build(kind: str) -> torch.nn.Module:
 
 
 @engine
+@pytest.mark.parametrize("profile", list(MODES))
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
-def test_aligned_model_runs_the_op_and_trains(kind: str) -> None:
-    """On a model: each sparse block's experts output is the op's for the block's own routing; loss.backward
-    gives finite gradients; describe() names the variant."""
+def test_aligned_model_runs_the_engines_router_and_op(kind: str, profile: str) -> None:
+    """On a model: each sparse block's routing is the engine router's for the block's own logits (weights bit
+    for bit, ids in the engine's slot order; compiled: the Inductor-compiled router) and its experts output the
+    op's for that routing; loss.backward gives finite gradients; describe() names the variant."""
+    from rlalign_verl.diagnose import engine_ops_moe as em
+
     model = _build(kind)
-    apply_alignment(model, regions=MOE, engine="vllm-cpu-eager", moe_variant="engine-op")
+    apply_alignment(model, regions=MOE, engine=profile, moe_variant="engine-op")
     assert "moe_variant=engine-op" in get_alignment(model).describe()
     seen = []
 
     @torch.no_grad()
-    def check(mod, args, out):
-        x, ids, w = args
-        seen.append(
-            torch.equal(out, _vllm_reference(x, mod.gate_up_proj, mod.down_proj, w.float(), ids.int()))
-        )
+    def check_router(mod, args, out):
+        logits, w, ids = out
+        w_eng, ids_eng = em.route(logits, mod.top_k, mod.norm_topk_prob, compiled=MODES[profile])
+        seen.append(("router", torch.equal(ids, ids_eng.long()) and torch.equal(w.float(), w_eng)))
 
-    hooks = [m.register_forward_hook(check) for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    @torch.no_grad()
+    def check_experts(mod, args, out):
+        x, ids, w = args
+        ref = _vllm_reference(x, mod.gate_up_proj, mod.down_proj, w.float(), ids.int())
+        seen.append(("experts", torch.equal(out, ref)))
+
+    hooks = [
+        m.register_forward_hook(check_experts if n.endswith("experts") else check_router)
+        for n, m in model.named_modules()
+        if n.endswith(("mlp.experts", "mlp.gate"))
+    ]
     ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     for h in hooks:
         h.remove()
-    assert seen == [True, True]
+    assert seen == [("router", True), ("experts", True)] * 2
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
     assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0

