@@ -31,6 +31,26 @@ ROLLOUT_ENGINES: tuple[str, ...] = ("vllm", "sglang")
 """Rollout names of real inference engines (an ``hf`` profile aligns to none of them)."""
 
 
+def vllm_cpu_kernel_store() -> str:
+    """How vLLM's CPU C++ kernels store fp32 results in bf16 on this host: ``"nearest"`` or ``"truncate"``.
+
+    vllm/platforms/cpu.py ``import_kernels`` loads ``_C`` (built with AVX512-BF16: ``cvtneps`` rounds to
+    nearest) only where ``torch.cpu._is_avx512_bf16_supported()``; elsewhere ``_C_AVX512`` / ``_C_AVX2``,
+    whose ``BF16Vec`` conversion drops the low 16 bits (csrc/cpu/cpu_types_x86.hpp). Measured on an AVX2
+    host: ``rotary_embedding`` and ``silu_and_mul`` 100% equal to truncation, 50% to nearest.
+    """
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ProfileMismatchError(
+            f"vLLM's CPU kernel rounding is verified on x86_64 only, not {platform.machine()}; "
+            "use alignment.engine=vllm-cpu (compiled: no C++ kernel in the aligned regions)"
+        )
+    return "nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate"
+
+
 def worker_device_type(module: Any = None) -> str:
     """``"cuda"`` or ``"cpu"``: where this worker's model runs (its parameters, else the visible devices)."""
     import torch

@@ -24,7 +24,12 @@ _STREAM = {
 def rope_cell(p: EngineProfile) -> str:
     """``bf16 table, R(x1c − x2s)`` and the like."""
     formula = "R(x1c − x2s)" if p.rope.roundings == 1 else "R(R(x1c) − R(x2s))"
-    return f"{p.rope.table} table, `{formula}`"
+    store = {
+        "nearest": "",
+        "truncate": " stored by truncation `T(.)`",
+        "vllm-cpu-kernel": " (`T(.)`, truncation, where vLLM's CPU kernels lack AVX512-BF16)",
+    }[p.rope.store]
+    return f"{p.rope.table} table, `{formula}`{store}"
 
 
 def swiglu_cell(p: EngineProfile) -> str:

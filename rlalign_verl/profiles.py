@@ -60,15 +60,25 @@ class RopeRounding:
 
     ``table``: dtype of the cos/sin table the rotation reads ("bf16": computed in fp32, then
     rounded; "fp32": never rounded). ``roundings``: 3 = ``R(R(x1*c) - R(x2*s))`` (bf16 eager ops,
-    as in HF), 1 = ``R(x1*c - x2*s)`` in fp32.
+    as in HF), 1 = ``R(x1*c - x2*s)`` in fp32. ``store`` (``roundings=1`` only): how the fp32 rotation
+    is stored in bf16: ``"nearest"`` (round-to-nearest-even, ``R``), ``"truncate"`` (the low 16 bits
+    dropped, ``T``), or ``"vllm-cpu-kernel"``: what vLLM's CPU C++ kernel does on this host, nearest with
+    AVX512-BF16 and truncation without (:func:`rlalign_verl.placement.vllm_cpu_kernel_store`).
     """
 
     table: str = "bf16"
     roundings: int = 3
+    store: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.table not in ("bf16", "fp32") or self.roundings not in (1, 3):
             raise ValueError(f"invalid RopeRounding {self}")
+        if self.store not in STORES or (self.store != "nearest" and self.roundings != 1):
+            raise ValueError(f"invalid RopeRounding {self}")
+
+
+STORES = ("nearest", "truncate", "vllm-cpu-kernel")
+"""How an fp32 result is stored in bf16 (``RopeRounding.store``)."""
 
 
 @dataclass(frozen=True)
@@ -198,9 +208,12 @@ VLLM_CPU_EAGER = EngineProfile(
     summary=(
         "vLLM CPU build with enforce_eager=True: norms and SiluAndMul run their PyTorch forward_native "
         "eagerly (residual R(s) stored, variance and normalisation from the fp32 s, R(R(s*rt(s))*w)); "
-        "RoPE runs the C++ op torch.ops._C.rotary_embedding, R(x1*c - x2*s) with a bf16 table"
+        "RoPE runs the C++ op torch.ops._C.rotary_embedding, R(x1*c - x2*s) with a bf16 table, stored "
+        "by truncation where vLLM loads its kernels built without AVX512-BF16 (_C_AVX2, _C_AVX512)"
     ),
-    rope=RopeRounding(table="bf16", roundings=1),
+    # csrc/cpu/cpu_types_x86.hpp: BF16Vec8/16 from FP32Vec8/16 is _mm*_cvtneps_pbh (nearest) only with
+    # __AVX512BF16__, else a 16-bit shift (truncation); vllm/platforms/cpu.py import_kernels picks the build
+    rope=RopeRounding(table="bf16", roundings=1, store="vllm-cpu-kernel"),
     swiglu=SwigluRounding(roundings=2),
     norm=NormRounding(Source.FP32_SUM, Source.FP32_SUM, output_roundings=2, mean=Mean.MEAN),
     residual=Residual.EVERY_ADD,

@@ -23,6 +23,13 @@ def bf(v: torch.Tensor) -> torch.Tensor:
     return v.to(BF).float()
 
 
+def trunc(v: torch.Tensor) -> torch.Tensor:
+    """bf16 by truncation (round toward zero), as fp32: the value whose magnitude is not above |v|."""
+    r = v.to(BF).float()
+    toward_zero = torch.nextafter(r.to(BF), torch.zeros((), dtype=BF)).float()
+    return torch.where(r.abs() > v.abs(), toward_zero, r)
+
+
 def mean_sq(v: torch.Tensor) -> torch.Tensor:
     return v.pow(2).mean(-1, keepdim=True)
 
@@ -78,6 +85,9 @@ def ref_rope(profile: str, x, cos32, sin32):
     c, s = c.unsqueeze(1), s.unsqueeze(1)
     if profile == "hf":
         return torch.cat((bf(bf(x1 * c) - bf(x2 * s)), bf(bf(x2 * c) + bf(x1 * s))), -1)
+    if profile == "vllm-cpu-eager" and not torch.cpu._is_avx512_bf16_supported():
+        # vLLM's C++ rotary_embedding without AVX512-BF16 drops the fp32 result's low 16 bits
+        return torch.cat((trunc(x1 * c - x2 * s), trunc(x2 * c + x1 * s)), -1)
     return torch.cat((bf(x1 * c - x2 * s), bf(x2 * c + x1 * s)), -1)
 
 

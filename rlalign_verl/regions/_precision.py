@@ -25,3 +25,12 @@ def autocast_disabled(*tensors: torch.Tensor) -> Iterator[None]:
 def rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``R(x)``: round an fp32 tensor to the activation dtype, returned as fp32 for further math."""
     return x.to(dtype).float()
+
+
+def truncate_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``T(x)``: an fp32 tensor with its low 16 bits cleared, i.e. rounded toward zero to bf16, kept fp32.
+
+    Its cast to bf16 is then exact. vLLM's CPU C++ kernels store bf16 this way where they are built
+    without AVX512-BF16 (``csrc/cpu/cpu_types_x86.hpp``).
+    """
+    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32)

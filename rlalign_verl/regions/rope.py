@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..profiles import RopeRounding
-from ._precision import autocast_disabled, rnd
+from ._precision import autocast_disabled, rnd, truncate_bf16
 
 
 def rope_table(
@@ -50,12 +50,24 @@ def _rotate(
         # fused kernels (vLLM rotary_embedding / Inductor / SGLang): fp32 rotation, one rounding below.
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
+        if rope_store(rounding) == "truncate":
+            # vLLM CPU rotary_embedding built without AVX512-BF16 stores T(.): low 16 bits dropped
+            o1, o2 = truncate_bf16(o1), truncate_bf16(o2)
     # written in x's memory layout (q/k are transposed views of the projection output, as in HF), so that
     # SDPA's output needs no transpose copy before o_proj
     out = torch.empty_like(x, dtype=out_dtype)
     out[..., :half] = o1
     out[..., half:] = o2
     return out
+
+
+def rope_store(rounding: RopeRounding) -> str:
+    """``"nearest"`` or ``"truncate"``: the profile's store, resolved for this host where it names the kernel."""
+    if rounding.store == "vllm-cpu-kernel":
+        from ..placement import vllm_cpu_kernel_store
+
+        return vllm_cpu_kernel_store()
+    return rounding.store
 
 
 class _RopeFn(torch.autograd.Function):
@@ -65,7 +77,8 @@ class _RopeFn(torch.autograd.Function):
     def forward(ctx, x, c, s, rounding, out_dtype, triton):  # type: ignore[override]
         ctx.save_for_backward(c, s)
         ctx.in_dtype = x.dtype
-        if kernels.available(x, triton) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
+        fused_ok = rounding.store == "nearest"  # the Triton kernel rounds to nearest
+        if fused_ok and kernels.available(x, triton) and x.dim() == 4 and c.dim() == 4 and c.shape[1] == 1:
             if out_dtype in (torch.bfloat16, torch.float16):
                 return kernels.rope_forward(
                     x, c.float(), s.float(), rounding.roundings, out_dtype
