@@ -20,8 +20,14 @@ from .profiles import HF, PROFILES, EngineProfile, MoeRounding
 from .regions.moe import fused_gate_sum, mix_experts, route
 from .unverified import OPT_IN_HINT
 
-_EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings")
-_ROUTER_FIELDS = ("router_softmax", "weights_dtype", "combine", "slot_sum_bf16_max_k")
+_EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings", "store")  # store: the SwiGLU output's
+_ROUTER_FIELDS = (
+    "router_softmax",
+    "weights_dtype",
+    "combine",
+    "slot_sum_bf16_max_k",
+    "store",
+)  # and the sum's
 
 # config attributes of routers this alignment does not mirror, with the value that means "plain softmax top-k"
 _ROUTER_ATTRS = {

@@ -73,6 +73,10 @@ def moe_cell(p: EngineProfile) -> str:
         text += "; Qwen2-MoE shared + routed sum fp32 into the next add + norm"
     elif m.block_sum == "fused":
         text += "; Qwen2-MoE `R(sigmoid(x·w_g)·shared + routed)`, gate logit fp32"
+    if m.store == "vllm-cpu-kernel":
+        text += "; the kernel's bf16 stores truncate where vLLM's CPU kernels lack AVX512-BF16"
+    elif m.store == "truncate":
+        text += "; bf16 stores truncate"
     return text if m.verified else f"UNVERIFIED, opt-in `alignment.unverified=[moe]`: {text}"
 
 

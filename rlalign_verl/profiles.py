@@ -21,6 +21,7 @@ from .profiles_moe import (
     CPU_FUSED_MOE_COMPILED,
     CUDA_TRITON_MOE,
     SGLANG_TRITON_MOE,
+    STORES,
     MoeRounding,
 )
 
@@ -75,10 +76,6 @@ class RopeRounding:
             raise ValueError(f"invalid RopeRounding {self}")
         if self.store not in STORES or (self.store != "nearest" and self.roundings != 1):
             raise ValueError(f"invalid RopeRounding {self}")
-
-
-STORES = ("nearest", "truncate", "vllm-cpu-kernel")
-"""How an fp32 result is stored in bf16 (``RopeRounding.store``)."""
 
 
 @dataclass(frozen=True)

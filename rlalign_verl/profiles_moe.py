@@ -9,6 +9,10 @@ import dataclasses
 from dataclasses import dataclass
 
 COMBINES = ("bf16", "fp32", "slot")
+STORES = ("nearest", "truncate", "vllm-cpu-kernel")
+"""How a kernel stores an fp32 result in bf16: round to nearest even (``R``), truncate (``T``: the low 16
+bits dropped), or as vLLM's CPU C++ kernels do on this host (nearest with AVX512-BF16, else truncation;
+:func:`rlalign_verl.placement.vllm_cpu_kernel_store`)."""
 BLOCK_SUMS = ("bf16", "fp32", "fused")
 
 
@@ -33,6 +37,8 @@ class MoeRounding:
     "fused" = one kernel from the block input: the gate logit ``x . w_gate`` accumulated in fp32 (never
     rounded), ``sigmoid``, product and sum in fp32, one rounding ``R(sigmoid(x . w_gate) * shared + routed)``
     (applied with moe aligned; the output is bf16, so it needs no rmsnorm).
+    ``store`` (with ``expert_gemm`` or ``combine`` "fp32"): how the fused expert kernel stores its bf16 results,
+    the SwiGLU output of the fp32 GEMM and the fp32 combined sum (one of :data:`STORES`).
     ``verified``: False for data read from source and not yet checked against the engine's ops; such a
     rounding is used only with the explicit opt-in ``unverified=("moe",)`` (:mod:`..unverified`).
     """
@@ -44,6 +50,7 @@ class MoeRounding:
     combine: str = "bf16"
     slot_sum_bf16_max_k: int = 4
     block_sum: str = "bf16"
+    store: str = "nearest"
     verified: bool = True
 
     def __post_init__(self) -> None:
@@ -55,6 +62,8 @@ class MoeRounding:
             and self.combine in COMBINES
             and self.slot_sum_bf16_max_k >= 0
             and self.block_sum in BLOCK_SUMS
+            and self.store in STORES
+            and (self.store == "nearest" or "fp32" in (self.expert_gemm, self.combine))
         )
         if not ok:
             raise ValueError(f"invalid MoeRounding {self}")
@@ -66,9 +75,12 @@ class MoeRounding:
 # compiled: the router is inside the Inductor graph, which drops that bf16 round trip (weights stay fp32).
 # Compiled, Qwen2-MoE: Inductor fuses sigmoid(gate) * shared + routed into the next fused add + RMSNorm
 # kernel; only the [T, 1] sigmoid is stored (bf16), product and sums stay fp32 (docs/moe.md, block_sum).
+# Its bf16 stores follow the kernel build (csrc/cpu/cpu_types_x86.hpp): nearest with AVX512-BF16, else
+# truncation (measured on an AVX2 host: 99.99% bit-identical with truncation, 17% with nearest).
 CPU_FUSED_MOE = MoeRounding(
-    expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32"
-)
+    expert_gemm="fp32", expert_act_roundings=1, router_softmax="topk", weights_dtype="bf16", combine="fp32",
+    store="vllm-cpu-kernel",
+)  # fmt: skip
 CPU_FUSED_MOE_COMPILED = dataclasses.replace(CPU_FUSED_MOE, weights_dtype="fp32", block_sum="fp32")
 
 # vLLM CUDA, unquantized Triton path (both vllm and vllm-eager: the experts run inside the opaque

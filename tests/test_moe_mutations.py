@@ -6,7 +6,7 @@ checked against a reference of the *original* profile written here from the ``Mo
 math with explicit ``R()`` (bf16) and ``F()`` (fp32) at the spec's rounding points, teacher-forced with the
 run's own router logits and expert choices. The original must pass; each mutant must fail a check.
 
-With ``norm_topk_prob=False`` all 39 mutations (hf, vllm-cpu, vllm-cpu-eager, vllm, vllm-eager, sglang) are killed. With
+With ``norm_topk_prob=False`` all 41 mutations (hf, vllm-cpu, vllm-cpu-eager, vllm, vllm-eager, sglang) are killed. With
 ``norm_topk_prob=True`` ``router_softmax`` survives: the renormalised top-k of the full softmax and the softmax
 over the top k are the same number, and the two differ only in the last fp32 bits (below a bf16 rounding).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -30,13 +31,27 @@ VALUES = {
     "weights_dtype": ("bf16", "fp32"), "combine": ("bf16", "fp32", "slot"),
     "slot_sum_bf16_max_k": (K, K - 1),  # top-k summed in bf16 (k <= max) or in fp32; only used by "slot"
     "block_sum": ("bf16", "fp32", "fused"),  # Qwen2-MoE's shared + routed sum: test_every_block_sum_mutation_is_killed
+    "store": ("nearest", "truncate", "vllm-cpu-kernel"),  # the fused expert kernel's bf16 stores (expert_gemm="fp32")
 }  # fmt: skip
+# what "vllm-cpu-kernel" means on this host, decided here from the CPU flag vLLM's kernel loader reads
+HOST_STORE = "nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate"
 NOT_ROUNDING = {"verified"}  # whether the data was checked against the engine: no number depends on it
 
 
 def R(x: torch.Tensor) -> torch.Tensor:
     """Stored in bf16 (from float64 math, through fp32 as an fp32 kernel rounds)."""
     return x.to(torch.float32).to(BF).to(F64)
+
+
+def TR(x: torch.Tensor) -> torch.Tensor:
+    """Stored in bf16 by truncation (fp32 result, low 16 bits dropped), as vLLM's CPU kernels without AVX512-BF16."""
+    bits = x.detach().to(torch.float32).numpy().view(np.uint32) & np.uint32(0xFFFF0000)
+    return torch.from_numpy(bits.view(np.float32)).to(F64)
+
+
+def S(m):
+    """The fused kernel's bf16 store of ``m``: ``R`` or ``TR``."""
+    return TR if (HOST_STORE if m.store == "vllm-cpu-kernel" else m.store) == "truncate" else R
 
 
 def F(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +85,7 @@ def ref_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, m) ->
     store = R if m.expert_gemm == "bf16" else F
     g, u = store(x @ gate_up.T).chunk(2, -1)
     silu = F(g / (1.0 + torch.exp(-g)))
-    act = R(R(silu) * u) if m.expert_act_roundings == 2 else R(silu * u)
+    act = R(R(silu) * u) if m.expert_act_roundings == 2 else S(m)(silu * u)
     return (F if m.combine == "slot" else store)(act @ down.T)
 
 
@@ -94,7 +109,7 @@ def ref_combine(x, idx, w, gate_up, down, m) -> torch.Tensor:
             continue
         d, we = ref_expert(x[tok], gate_up[e], down[e], m), w[tok, slot, None]
         out[tok] = R(out[tok] + R(R(d) * R(we))) if m.combine == "bf16" else F(out[tok] + F(d * we))
-    return R(out)
+    return R(out) if m.combine == "bf16" else S(m)(out)
 
 
 def build(renorm: bool) -> torch.nn.Module:
@@ -165,8 +180,22 @@ def moe_mutations(moe) -> list[tuple[str, object]]:
             values = (
                 (K - 1,) if moe.slot_sum_bf16_max_k >= K else (K,)
             )  # the other side of this model's top-k
-        out += [(f"{f}={v}", dataclasses.replace(moe, **{f: v})) for v in values if v != getattr(moe, f)]
+        if f == "store" and "fp32" not in (moe.expert_gemm, moe.combine):
+            continue  # only the fused (fp32) expert kernel has a store choice
+        out += [(f"{f}={v}", _replace(moe, f, v)) for v in values if v != getattr(moe, f)]
     return out
+
+
+def _replace(moe, f: str, v):
+    try:
+        return dataclasses.replace(moe, **{f: v})
+    except ValueError:  # bf16 GEMM and combine leave no store choice: the mutant stores to nearest
+        return dataclasses.replace(moe, **{f: v, "store": "nearest"})
+
+
+def same_store_here(a, b) -> bool:
+    """Two store values that are one rounding on this host (e.g. vllm-cpu-kernel and nearest with AVX512-BF16)."""
+    return S(a) is S(b)
 
 
 def test_values_cover_every_moe_field() -> None:
@@ -174,10 +203,13 @@ def test_values_cover_every_moe_field() -> None:
 
     assert set(VALUES) | NOT_ROUNDING == {f.name for f in dataclasses.fields(MoeRounding)}
     for f, values in VALUES.items():  # each listed value is allowed, and nothing else is
+        base = {"expert_gemm": "fp32"} if f == "store" else {}  # a store choice needs an fp32 result
         for v in values:
-            MoeRounding(**{f: v})
+            MoeRounding(**base, **{f: v})
         with pytest.raises((ValueError, TypeError)):
-            MoeRounding(**{f: "other"})
+            MoeRounding(**base, **{f: "other"})
+    with pytest.raises(ValueError):  # a store choice needs the fused kernel's fp32 results
+        MoeRounding(expert_gemm="bf16", combine="bf16", store="truncate")
 
 
 @pytest.mark.parametrize("renorm", [False, True], ids=["norm_topk_prob=False", "norm_topk_prob=True"])
@@ -190,6 +222,8 @@ def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None
             continue
         assert failed_checks(model, capture(model, p), p.moe) == [], f"{name}: the original must pass"
         for label, moe in moe_mutations(p.moe):
+            if label.startswith("store=") and same_store_here(moe, p.moe):
+                continue  # the same bf16 store on this host (printed below as host-equal)
             total += 1
             bad = failed_checks(model, capture(model, dataclasses.replace(p, moe=moe)), p.moe)
             killed_by[f"{name}:{label}"] = bad
@@ -199,8 +233,9 @@ def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None
         print(
             f"\n[moe mutations, norm_topk_prob={renorm}] killed {total - len(survivors)}/{total}; survivors {survivors}"
         )
-    # hf, vllm-cpu(-eager) x 6 (combine has 2 other values); vllm(-eager), sglang x 7 (+ slot sum)
-    assert total == 39
+    # hf, vllm-cpu(-eager) x 6 (combine has 2 other values); vllm(-eager), sglang x 7 (+ slot sum); vllm-cpu(-eager)
+    # store: of nearest/truncate, the one this host's kernels do not use (the other is the same rounding here)
+    assert total == 41
     if renorm:  # the softmax over the top k equals the renormalised full softmax: only its fp32 bits differ
         assert all(s.split(":")[1].startswith("router_softmax") for s in survivors), survivors
     else:

@@ -6,6 +6,8 @@ reproduce it bit for bit) and a float64 re-statement of the expert/router math w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -194,7 +196,8 @@ def test_fp32_expert_math_is_closer_to_float64_than_hf() -> None:
     ref = _reference64(x, gate_up, down, weights, experts)
     err = {
         name: (mix_experts(x, experts, weights, gate_up, down, r).double() - ref).abs().mean().item()
-        for name, r in (("hf", HF.moe), ("fused", CPU_FUSED_MOE))
+        # nearest stores: truncation (vLLM's CPU kernels without AVX512-BF16) is biased, not fewer roundings
+        for name, r in (("hf", HF.moe), ("fused", dataclasses.replace(CPU_FUSED_MOE, store="nearest")))
     }
     assert err["fused"] < 0.7 * err["hf"], err
 

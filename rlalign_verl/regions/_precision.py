@@ -33,4 +33,24 @@ def truncate_bf16(x: torch.Tensor) -> torch.Tensor:
     Its cast to bf16 is then exact. vLLM's CPU C++ kernels store bf16 this way where they are built
     without AVX512-BF16 (``csrc/cpu/cpu_types_x86.hpp``).
     """
-    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+    x = x.float()
+    kept = (x.detach().contiguous().view(torch.int32) & -65536).view(torch.float32)
+    # the dropped bits are exactly kept - x, so this is T(x) exactly; its gradient passes straight through,
+    # as a cast's does
+    return x + (kept - x.detach())
+
+
+def host_store(store: str) -> str:
+    """``"nearest"`` or ``"truncate"``: a profile's bf16 store, resolved for this host where it names vLLM's CPU kernels."""
+    if store == "vllm-cpu-kernel":
+        from ..placement import vllm_cpu_kernel_store
+
+        return vllm_cpu_kernel_store()
+    return store
+
+
+def store_as(x: torch.Tensor, store: str, dtype: torch.dtype) -> torch.Tensor:
+    """An fp32 result stored in ``dtype`` the way ``store`` says (``R`` or, for bf16, ``T``)."""
+    if dtype == torch.bfloat16 and host_store(store) == "truncate":
+        return truncate_bf16(x).to(dtype)  # exact: the kept bits are a bf16 value
+    return x.to(dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..profiles import MoeRounding, SwigluRounding
-from ._precision import autocast_disabled, rnd
+from ._precision import autocast_disabled, rnd, store_as
 from .swiglu import swiglu
 
 
@@ -60,7 +60,7 @@ def _expert(
         a = F.silu(g)
         if rounding.expert_act_roundings == 2:
             a = rnd(a, x.dtype)
-        a = (a * u).to(x.dtype)
+        a = store_as(a * u, rounding.store, x.dtype)  # the kernel's bf16 store: R, or T without AVX512-BF16
         return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator, not rounded here
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)
     a = swiglu(g, u, SwigluRounding(roundings=rounding.expert_act_roundings))
@@ -99,7 +99,7 @@ def mix_experts(
             else:
                 # HF: the product rounded, then added into the bf16 output buffer (each add rounds)
                 out = out.index_add(0, token, (d.to(dtype) * w.to(dtype)).to(dtype))
-        return out.to(dtype)
+        return store_as(out, rounding.store, dtype) if fp32_combine else out
 
 
 def _mix_by_slot(

@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..profiles import RopeRounding
-from ._precision import autocast_disabled, rnd, truncate_bf16
+from ._precision import autocast_disabled, host_store, rnd, truncate_bf16
 
 
 def rope_table(
@@ -50,7 +50,7 @@ def _rotate(
         # fused kernels (vLLM rotary_embedding / Inductor / SGLang): fp32 rotation, one rounding below.
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-        if rope_store(rounding) == "truncate":
+        if host_store(rounding.store) == "truncate":
             # vLLM CPU rotary_embedding built without AVX512-BF16 stores T(.): low 16 bits dropped
             o1, o2 = truncate_bf16(o1), truncate_bf16(o2)
     # written in x's memory layout (q/k are transposed views of the projection output, as in HF), so that
@@ -59,15 +59,6 @@ def _rotate(
     out[..., :half] = o1
     out[..., half:] = o2
     return out
-
-
-def rope_store(rounding: RopeRounding) -> str:
-    """``"nearest"`` or ``"truncate"``: the profile's store, resolved for this host where it names the kernel."""
-    if rounding.store == "vllm-cpu-kernel":
-        from ..placement import vllm_cpu_kernel_store
-
-        return vllm_cpu_kernel_store()
-    return rounding.store
 
 
 class _RopeFn(torch.autograd.Function):
