@@ -88,11 +88,7 @@ def test_experts_vs_cpu_fused_moe(profile: str, shape) -> None:
         f"{profile} {shape} isa={em.cpu_isa()}: experts {same:.5f} bit-identical, max {ulp} bf16 ulp (HF math: {hf_same:.3f})"
     )
     assert hf_same < 0.8
-    if not torch.cpu._is_avx512_supported():
-        pytest.skip(
-            f"AVX2-only CPU: vLLM's _C_AVX2 vec kernel rounds otherwise ({same:.3f}); docs/moe.md engine-op"
-        )
-    assert same >= 0.999
+    assert same >= 0.999  # on either kernel build: the profile's store follows it (MoeRounding.store)
     assert bool((diff <= tol).all()), (diff / tol).max()
 
 
