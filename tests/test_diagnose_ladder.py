@@ -86,7 +86,9 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
         ("+ attention", (*three, "attention")),
         ("+ lm_head", None),
         ("+ engine-compiled norm", (*three, "attention")),
+        ("+ moe, engine MoE op", None),
     ]
+    assert cpu[5][3] == "dense model: no routed experts"
     assert cpu[4][2] == {"compiled_norm": True} and cpu[2][2] == {}
     eager = plan(get_profile("vllm-cpu-eager"), "float32")
     assert eager[3][1] == (*three, "attention", "lm_head") and eager[4][1] is None
@@ -95,6 +97,24 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
     cuda = plan(get_profile("vllm"), "float32")
     assert cuda[2][1] is None and "cannot be aligned to profile 'vllm'" in cuda[2][3]
     assert cuda[3][1] == (*three, "lm_head") and cuda[3][3] is None
+
+
+def test_plan_on_moe_models_adds_the_engine_moe_op():
+    """MoE: compiled_norm is skipped (dense only); the last rung adds moe with moe_variant=engine-op on the vLLM
+    CPU profiles (where vLLM's op is callable) and is skipped, with the reason, elsewhere."""
+    from rlalign_verl.regions.moe_engine_op import engine_op_available
+
+    four = ("rope", "swiglu", "rmsnorm", "attention")
+    cpu = plan(get_profile("vllm-cpu"), "model", moe=True)
+    assert cpu[4][1] is None and cpu[4][3] == "compiled_norm is verified for dense models only"
+    if engine_op_available()[0]:
+        assert (
+            cpu[5][1] == (*four[:3], "moe", "attention")
+            and cpu[5][2] == {"moe_variant": "engine-op"}
+            and cpu[5][3] is None
+        )
+    cuda = plan(get_profile("vllm"), "float32", moe=True)
+    assert cuda[5][1] is None and "vllm-cpu profiles only" in cuda[5][3]
 
 
 def _header(extra=None) -> SimpleNamespace:
@@ -156,13 +176,14 @@ def test_ladder_on_engine_rollouts(engine_rollouts, tmp_path, capsys):
     res = json.loads((out / "diagnose.json").read_text())
     rows = res["ladder"]["rows"]
     names = ["none", "rope+swiglu+rmsnorm", "+ attention", "+ lm_head", "+ engine-compiled norm"]
-    assert [r["rung"] for r in rows] == names
+    assert [r["rung"] for r in rows] == [*names, "+ moe, engine MoE op"]
     assert rows[0]["mean"] == pytest.approx(res["settings"]["none"][MEAN], rel=1e-5)
     assert rows[1]["mean"] == pytest.approx(res["settings"]["all"][MEAN], rel=1e-5)
     assert rows[0]["tokens"] == 32 * 32
     assert rows[2]["exact_zero"] > rows[1]["exact_zero"] and rows[2]["mean"] < rows[1]["mean"]
     assert rows[3] == {"rung": "+ lm_head", "skipped": HEAD_NOTE}
     assert "does not compile its norms" in rows[4]["skipped"]  # the eager path
+    assert rows[5] == {"rung": "+ moe, engine MoE op", "skipped": "dense model: no routed experts"}
     assert res["engine"]["head_dtype"] == "model"
     assert "attribution ladder" in capsys.readouterr().out
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3Config, Qwen
 
 from rlalign_verl.errors import AlignmentError, UnsupportedModelError
 from rlalign_verl.patch import apply_alignment, get_alignment
-from rlalign_verl.profiles import get_profile
+from rlalign_verl.profiles import HF, get_profile
 from rlalign_verl.regions.moe import mix_experts
 from rlalign_verl.regions.moe_engine_op import engine_experts, engine_op_available
 
@@ -84,10 +84,11 @@ def test_experts_bit_identical_to_cpu_fused_moe(profile: str, shape) -> None:
     rounding = get_profile(profile).moe
     y_op = engine_experts(x, ids.long(), weights, gate_up, down, rounding)
     y_em = mix_experts(x, ids.long(), weights, gate_up, down, rounding)
-    emulated = float((y_em == y_eng).double().mean())
-    print(f"\n{profile} {shape}: engine-op 100% bit-identical, emulate {emulated:.5f}")
+    y_hf = mix_experts(x, ids.long(), w_eng.to(BF), gate_up, down, HF.moe)
+    emulated, hf = (float((y == y_eng).double().mean()) for y in (y_em, y_hf))
+    print(f"\n{profile} {shape}: engine-op 100% bit-identical, emulate {emulated:.5f}, HF math {hf:.3f}")
     assert y_op.dtype == BF and torch.equal(y_op, y_eng)
-    assert emulated < 1.0 or inter == 80  # the emulation misses some bits: the test can tell them apart
+    assert hf < 0.9  # another rounding is far off: the comparison can fail
 
 
 @engine

