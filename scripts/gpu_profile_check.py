@@ -412,6 +412,7 @@ def case_add_rmsnorm(eng: Engine, prof, x, r, w, shape: str) -> list[Row]:
 
 def case_swiglu(eng: Engine, prof, gu, inter: int, shape: str) -> list[Row]:
     from rlalign_verl.profiles import SwigluRounding
+    from rlalign_verl.regions._precision import store_as
     from rlalign_verl.regions.swiglu import swiglu
 
     def body(rows: list[Row]) -> None:
@@ -420,6 +421,9 @@ def case_swiglu(eng: Engine, prof, gu, inter: int, shape: str) -> list[Row]:
         scores = _score_variants(
             eo, lambda v: swiglu(g, u, v), [(f"r{n}", SwigluRounding(n)) for n in (1, 2)]
         )
+        # one rounding stored by truncation: vLLM's CPU kernels built without AVX512-BF16 (a CUDA kernel never is)
+        act = torch.nn.functional.silu(g.float()) * u.float()
+        scores["r1/truncate"] = float(bit_identical(eo, store_as(act, "truncate", eo.dtype)).float().mean())
         _finish(rows[0], eo, swiglu(g, u, prof.swiglu), scores)
 
     return _guarded("swiglu", eng.profile, shape, ("out",), body)
@@ -432,6 +436,9 @@ def case_rope(eng: Engine, prof, q, k, pos, cache, head_size: int, shape: str) -
         eq, ek = eng.rope(pos, q, k, head_size, cache)
         oq, ok = _region_rope(q, k, pos, cache, head_size, prof.rope)
         variants = [(f"r{n}", RopeRounding(prof.rope.table, n)) for n in (1, 3)]
+        variants.append(
+            ("r1/truncate", RopeRounding(prof.rope.table, 1, "truncate"))
+        )  # vLLM CPU without AVX512-BF16
         scores = _score_variants(eq, lambda v: _region_rope(q, k, pos, cache, head_size, v)[0], variants)
         _finish(rows[0], eq, oq, scores)
         _finish(rows[1], ek, ok, {})
