@@ -34,6 +34,7 @@ from .kernels import resolve_kernels
 from .moe_patch import bind_moe, check_moe_config
 from .moe_variant import check_moe_variant, check_moe_variant_model, parse_moe_variant
 from .options import parse_bool
+from .placement import vllm_cpu_kernel_store
 from .profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from .regions import normalize_regions
 from .regions.attention import check_attention_supported
@@ -282,6 +283,8 @@ def apply_alignment(
     compile = parse_bool(compile, name="compile")
     regions_t = normalize_regions(regions)
     profile = get_profile(engine)
+    if "rope" in regions_t and profile.rope.store == "vllm-cpu-kernel":
+        vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
     kernels_ = resolve_kernels(kernels, compile=compile)
     compiled_norm = parse_bool(compiled_norm, name="compiled_norm")
     check_compiled_norm(profile, regions_t, compiled_norm)

@@ -53,6 +53,21 @@ def test_non_x86_host_is_refused_in_one_line(monkeypatch) -> None:
     with pytest.raises(ProfileMismatchError, match="x86_64 only") as e:
         vllm_cpu_kernel_store()
     assert "\n" not in str(e.value) and "alignment.engine=vllm-cpu" in str(e.value)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlalign_verl.patch import apply_alignment, get_alignment
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, dtype=BF)
+    with pytest.raises(
+        ProfileMismatchError, match="x86_64 only"
+    ):  # at apply time, before anything is patched
+        apply_alignment(model, regions=["rope"], engine="vllm-cpu-eager")
+    assert get_alignment(model) is None
+    assert (
+        apply_alignment(model, regions=["rope"], engine="vllm-cpu") is model
+    )  # compiled RoPE: no C++ kernel
 
 
 @pytest.mark.engine
