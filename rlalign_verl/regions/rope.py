@@ -50,7 +50,7 @@ def _rotate(
         # fused kernels (vLLM rotary_embedding / Inductor / SGLang): fp32 rotation, one rounding below.
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-        if host_store(rounding.store) == "truncate":
+        if out_dtype == torch.bfloat16 and host_store(rounding.store) == "truncate":
             # vLLM CPU rotary_embedding built without AVX512-BF16 stores T(.): low 16 bits dropped
             o1, o2 = truncate_bf16(o1), truncate_bf16(o2)
     # written in x's memory layout (q/k are transposed views of the projection output, as in HF), so that
