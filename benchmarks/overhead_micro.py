@@ -104,7 +104,8 @@ def _opt_in_cases(p, tokens: int, hidden: int, leaf: Callable, fwd_bwd: Callable
     """attention (vLLM CPU profiles: engine op / fp32 SDPA vs HF's bf16 SDPA) and lm_head (fp32 head vs bf16)."""
     import torch.nn.functional as F
 
-    from rlalign_verl.regions.attention import aligned_attention, engine_op_available
+    from rlalign_verl.engine_ops.attention_op import engine_op_available
+    from rlalign_verl.regions.attention import aligned_attention
     from rlalign_verl.regions.lm_head import Fp32HeadFn
 
     vocab = 32 * hidden

@@ -6,43 +6,68 @@ One decoder layer, attention, MLP and final-norm forward serve every family; the
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .families import ModelFamily
+from .binding import cache_kwarg, checkpointed, original_forward, pop_cache
+from .families import get_family
 from .profiles import HF, EngineProfile, Residual
 from .regions.attention import attention_interface
 from .regions.residual_stream import CARRY_KWARG, Carry, ResidualCarry, carry_for, hand_on, join
 from .regions.rmsnorm import add_rms_norm, rms_norm
 from .regions.rope import apply_rope, rope_table
 from .regions.swiglu import swiglu
+from .spec import AlignmentSpec
 
 
 @dataclass(frozen=True)
 class AlignmentState:
-    """What is active on a model: the regions and the engine profile they mirror."""
+    """What is active on a model: the request (:class:`AlignmentSpec`), the profile it resolved to, the family."""
 
-    regions: tuple[str, ...]
+    spec: AlignmentSpec
     profile: EngineProfile
     model_type: str
-    compiled: bool = False
-    """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
-    kernels: str = "torch"
-    """SwiGLU/RoPE forwards on CUDA: ``"torch"`` fp32 ops (default) or the opt-in ``"triton"`` kernels."""
-    attention_variant: str = "engine-op"
-    """``attention`` region: ``engine-op`` or ``sdpa-fp32`` (:mod:`.regions.attention`)."""
-    head_dtype: str = "float32"
-    """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
-    compiled_norm: bool = False
-    """Norm forwards compiled by Inductor as the engine compiles them (:mod:`.regions.inductor_norm`)."""
-    unverified: tuple[str, ...] = ()
-    """Unverified profile data opted into, e.g. ``("moe",)`` (:mod:`rlalign_verl.unverified`)."""
-    moe_variant: str = "emulate"
-    """MoE experts + combine: ``emulate`` (PyTorch) or ``engine-op`` (:mod:`.regions.moe_engine_op`)."""
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return self.spec.regions
+
+    @property
+    def compiled(self) -> bool:
+        """SwiGLU and RoPE run as Inductor-compiled functions (bit-identical; :mod:`.regions.compiled`)."""
+        return self.spec.experimental.compile
+
+    @property
+    def kernels(self) -> str:
+        """SwiGLU/RoPE forwards on CUDA: ``"torch"`` fp32 ops (default) or the opt-in ``"triton"`` kernels."""
+        return self.spec.experimental.kernels
+
+    @property
+    def attention_variant(self) -> str:
+        """``attention`` region: ``engine-op`` or ``sdpa-fp32`` (:mod:`.regions.attention`)."""
+        return self.spec.experimental.attention
+
+    @property
+    def head_dtype(self) -> str:
+        """``lm_head`` region: the engine's head dtype, ``float32`` or ``model`` (:mod:`.regions.lm_head`)."""
+        return self.spec.experimental.head_dtype
+
+    @property
+    def compiled_norm(self) -> bool:
+        """Norm forwards compiled by Inductor as the engine compiles them (:mod:`.regions.inductor_norm`)."""
+        return self.spec.experimental.compiled_norm
+
+    @property
+    def unverified(self) -> tuple[str, ...]:
+        return self.spec.experimental.unverified
+
+    @property
+    def moe_variant(self) -> str:
+        """MoE experts + combine: ``emulate`` (PyTorch) or ``engine-op`` (:mod:`.engine_ops.moe_op`)."""
+        return self.spec.experimental.moe_variant
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
@@ -110,37 +135,40 @@ def norm_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     return rms_norm, add_norm
 
 
-def mlp_forward(swiglu_fn: Callable) -> Callable:
+def mlp_forward(st: AlignmentState) -> Callable:
+    swiglu_fn, _ = region_fns(st)
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
 
     return forward
 
 
-def attention_forward(
-    st: AlignmentState, family: ModelFamily, rotary: nn.Module, rope_fn: Callable
-) -> Callable:
+def attention_forward(st: AlignmentState, rotary: nn.Module) -> Callable:
+    """The aligned attention of ``st``'s family; ``rotary`` is the base model's rotary embedding (for fp32 tables)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    family = get_family(st.model_type)
     eager_attention = family.module().eager_attention_forward
     norm_on = "rmsnorm" in st.regions
     # Inductor fuses q/k-norm into RoPE on some paths: the normalised q/k is then never rounded.
     fuse_qk_rope = norm_on and "rope" in st.regions and not st.profile.qk_norm_rounded_before_rope
     fp32_table = st.rope.table == "fp32"
-    rotary_ref = weakref.ref(rotary)
     # the hf profile keeps HF's own attention (aligning to it changes nothing)
     on = "attention" in st.regions and st.profile.engine != "hf"
     aligned_attn = attention_interface(st.attention_variant) if on else None
     qk_norm, _ = norm_fns(st)
+    _, rope_fn = region_fns(st)
 
     def forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         **kwargs,
     ):
+        kv_cache = pop_cache(kwargs, past_key_values)  # transformers >= 5.24 passes it as cache=
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)
@@ -162,14 +190,13 @@ def attention_forward(
             position_ids = kwargs.get("position_ids")
             if position_ids is None:
                 raise ValueError("an fp32-table RoPE profile needs position_ids in the attention call")
-            rot = rotary_ref()
-            cos, sin = rope_table(rot.inv_freq, position_ids, rot.attention_scaling)
+            cos, sin = rope_table(rotary.inv_freq, position_ids, rotary.attention_scaling)
         else:
             cos, sin = position_embeddings
         q, k = rope_fn(q, k, cos, sin, out_dtype=v.dtype)
 
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v, self.layer_idx)
         attention = aligned_attn or ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention
         )
@@ -212,6 +239,7 @@ def layer_forward(st: AlignmentState) -> Callable:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        kv_cache = pop_cache(kwargs, past_key_values)  # transformers >= 5.24 passes it as cache=
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
         box: ResidualCarry | None = kwargs.pop(CARRY_KWARG, None)
         idx = self.self_attn.layer_idx
@@ -237,9 +265,9 @@ def layer_forward(st: AlignmentState) -> Callable:
             hidden_states=x,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **{cache_kwarg(type(self.self_attn)): kv_cache},
             **kwargs,
         )
         x, residual = add_norm(
@@ -253,14 +281,14 @@ def layer_forward(st: AlignmentState) -> Callable:
         )
         return hand_on(self.mlp(x), residual, carry, box, idx, x.dtype)
 
-    return forward
+    return checkpointed(forward)  # transformers >= 5.23 checkpoints in the class forward this replaces
 
 
 CARRY_ATTR = "_rlalign_residual_carry"
 """Final-norm attribute holding the running forward's :class:`ResidualCarry` (set by the base model)."""
 
 
-def base_model_forward(saved_attr: str) -> Callable:
+def base_model_forward(st: AlignmentState) -> Callable:
     """The base model's forward with a fresh :class:`ResidualCarry` passed to the decoder layers (HF hands
     its ``**kwargs`` to every layer) and lent to the final norm (which takes no kwargs) for one call."""
 
@@ -269,9 +297,8 @@ def base_model_forward(saved_attr: str) -> Callable:
         norm_dict = self.norm.__dict__
         previous = norm_dict.get(CARRY_ATTR)
         norm_dict[CARRY_ATTR] = box
-        inner = self.__dict__.get(saved_attr) or type(self).forward.__get__(self)
         try:
-            return inner(*args, **kwargs, **{CARRY_KWARG: box})
+            return original_forward(self)(*args, **kwargs, **{CARRY_KWARG: box})
         finally:
             if previous is None:
                 norm_dict.pop(CARRY_ATTR, None)

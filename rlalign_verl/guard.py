@@ -11,18 +11,11 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from .binding import SAVED_FORWARD, bound_origin
 from .errors import AlignmentOverriddenError, UnsupportedModelError
 
-SAVED_FORWARD = "_rlalign_saved_forward"
-"""Instance attribute the patcher sets on every module whose ``forward`` it bound."""
-_OURS = "rlalign_verl."
-_LIGER = "liger_kernel"
-
-
-def _origin(fn: object) -> str:
-    """The module that defined a (bound) function; ``""`` when unknown or absent."""
-    func = getattr(fn, "__func__", fn)
-    return getattr(func, "__module__", None) or ""
+OURS = "rlalign_verl."
+LIGER = "liger_kernel"
 
 
 def replaced_forwards(model: nn.Module, expected: Iterable[type] = ()) -> list[str]:
@@ -35,12 +28,12 @@ def replaced_forwards(model: nn.Module, expected: Iterable[type] = ()) -> list[s
     expected = tuple(expected)
     replaced, around = [], []  # aligned forwards replaced first, then foreign ones next to them
     for name, m in model.named_modules():
-        where = _origin(m.__dict__.get("forward"))
+        where = bound_origin(m.__dict__.get("forward"))
         label = name or type(m).__name__
         if SAVED_FORWARD in m.__dict__:
-            if not where.startswith(_OURS):
+            if not where.startswith(OURS):
                 replaced.append(f"{label} ({where or 'its class forward'})")
-        elif where.startswith(_LIGER) or type(m).__module__.startswith(_LIGER):
+        elif where.startswith(LIGER) or type(m).__module__.startswith(LIGER):
             around.append(f"{label} ({where or type(m).__module__})")
         elif expected and isinstance(m, expected):
             replaced.append(f"{label} (a new {type(m).__name__} without the aligned forward)")

@@ -12,11 +12,12 @@ from typing import Any
 
 import hydra
 
+from .verl.checks import check_override_spellings
 from .verl.config import validate_config
 from .verl.one_line import one_line_errors
 
 
-@hydra.main(config_path="configs", config_name="rlalign_ppo_trainer", version_base=None)
+@hydra.main(config_path="pkg://rlalign_verl.configs", config_name="rlalign_ppo_trainer", version_base=None)
 def main(config: Any) -> None:
     """Validate the alignment settings, then run verl's ``main_ppo.main`` on the same config.
 
@@ -32,4 +33,10 @@ def main(config: Any) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from .errors import exit_on_error
+
+    with exit_on_error(2):  # a moved key would otherwise be Hydra's "not in struct" error
+        check_override_spellings(sys.argv[1:])
     main()

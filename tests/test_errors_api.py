@@ -14,7 +14,6 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from rlalign_verl import apply_alignment, get_alignment, remove_alignment
 from rlalign_verl.errors import (
-    AlignmentError,
     AlignmentOverriddenError,
     ConfigFormatError,
     UnknownProfileError,
@@ -47,12 +46,12 @@ BAD = {
         UnsupportedModelError,
         "config.model_type",
     ),
-    "regions=5": (tiny, {"regions": 5}, ConfigFormatError, "not a list of region names"),
+    "regions=5": (tiny, {"regions": 5}, ConfigFormatError, "regions=5: give a list of region names"),
     "regions typo": (tiny, {"regions": "rope,swigl"}, UnknownRegionError, "valid regions"),
     "engine typo": (tiny, {"engine": "trtllm"}, UnknownProfileError, "valid profiles"),
     "engine a number": (tiny, {"engine": 5}, UnknownProfileError, "valid profiles"),
     "compile='maybe'": (tiny, {"compile": "maybe"}, ConfigFormatError, "compile=false"),
-    "kernels a number": (tiny, {"kernels": 5}, AlignmentError, "unknown kernels=5"),
+    "kernels a number": (tiny, {"kernels": 5}, ConfigFormatError, "kernels=5: use one of torch, triton"),
 }
 
 

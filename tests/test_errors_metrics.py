@@ -123,10 +123,10 @@ def test_hook_never_overwrites_verl_keys(monkeypatch):
     }
     monkeypatch.setattr(tc, "step_mismatch_metrics", lambda data, config: ours)
     hook = tc._wrap_hook(original)
-    token = tc._ACTIVE_CONFIG.set({"alignment": {"metrics": True}})
-    try:
+    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.verl.run_context import Run, running
+
+    with running(Run({"alignment": {"metrics": True}}, AlignmentSpec(), trainer=None, legacy=False)):
         out = hook(object())
-    finally:
-        tc._ACTIVE_CONFIG.reset(token)
     assert out["training/rollout_probs_diff_mean"] == 0.25 and out["mismatch/num_tokens"] == 7.0
     assert out["mismatch/kl_k1"] == pytest.approx(0.1) and type(out["mismatch/kl_k1"]) is float

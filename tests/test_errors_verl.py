@@ -19,9 +19,13 @@ from omegaconf import OmegaConf, open_dict  # noqa: E402
 from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, run_driver  # noqa: E402
 
 from rlalign_verl.errors import (  # noqa: E402
+    AlignmentError,
     ConfigFormatError,
     LigerConflictError,
+    ProfileMismatchError,
+    UnknownProfileError,
     UnknownRegionError,
+    UnsupportedModelError,
     one_line,
 )
 from rlalign_verl.verl.config import validate_config  # noqa: E402
@@ -61,7 +65,7 @@ def _set(cfg, key: str, value) -> None:
 #        expected exception type, fragment of the message)
 BAD = {
     "alignment group string (no search path)": (None, {}, None, ConfigFormatError, SEARCHPATH),
-    "regions=5": (["alignment.regions=5"], {}, None, ConfigFormatError, "alignment.regions=[rope"),
+    "regions=5": (["alignment.regions=5"], {}, None, ConfigFormatError, "alignment.regions=5: give a list"),
     "regions mapping": (
         [],
         {"alignment.regions": {"a": 1}},
@@ -70,29 +74,57 @@ BAD = {
         "not a list of region names",
     ),
     "regions typo": (["alignment.regions=[rope,swigl]"], {}, None, UnknownRegionError, "valid regions"),
+    "unknown engine": (["alignment.engine=tensorrt"], {}, None, UnknownProfileError, "valid profiles"),
+    "old top-level key": (
+        ["+alignment.compile=true"],
+        {},
+        None,
+        ConfigFormatError,
+        "alignment.compile moved to alignment.experimental.compile",
+    ),
     "key typo +alignment.compiled": (
         ["+alignment.compiled=true"],
         {},
         None,
         ConfigFormatError,
-        "did you mean alignment.compile?",
+        "did you mean alignment.experimental.compile?",
     ),
     "unknown key": (
         ["+alignment.speed=fast"],
         {},
         None,
         ConfigFormatError,
-        "valid keys: attention, compile, compiled_norm, engine",
+        "valid: alignment.regions, alignment.engine, alignment.metrics, alignment.verify",
     ),
     "metrics=maybe": (["alignment.metrics=maybe"], {}, None, ConfigFormatError, "alignment.metrics=false"),
     "metrics=2": (["alignment.metrics=2"], {}, None, ConfigFormatError, "alignment.metrics=true"),
-    "compile=maybe": (["alignment.compile=maybe"], {}, None, ConfigFormatError, "alignment.compile=false"),
-    "quantiles=sometimes": (
-        ["+alignment.metrics_quantiles=sometimes"],
+    "compile=maybe": (
+        ["alignment.experimental.compile=maybe"],
         {},
         None,
         ConfigFormatError,
-        "alignment.metrics_quantiles=",
+        "alignment.experimental.compile=false",
+    ),
+    "quantiles=sometimes": (
+        ["alignment.experimental.metrics_quantiles=sometimes"],
+        {},
+        None,
+        ConfigFormatError,
+        "alignment.experimental.metrics_quantiles=",
+    ),
+    "verify.every=-1": (
+        ["alignment.verify.every=-1"],
+        {},
+        None,
+        ConfigFormatError,
+        "alignment.verify.every=-1",
+    ),
+    "kernels=cuda": (
+        ["alignment.experimental.kernels=cuda"],
+        {},
+        None,
+        ConfigFormatError,
+        "use one of torch, triton",
     ),
     "enforce_eager=perhaps": (
         ["actor_rollout_ref.rollout.enforce_eager=perhaps"],
@@ -108,6 +140,42 @@ BAD = {
         LigerConflictError,
         "use_liger=False",
     ),
+    "profile contradicts the rollout": (
+        ["alignment.engine=sglang"],
+        {},
+        None,
+        ProfileMismatchError,
+        "rollout engine is vllm",
+    ),
+    "hf profile with a real rollout": (
+        ["alignment.engine=hf"],
+        {},
+        None,
+        ProfileMismatchError,
+        "changes nothing",
+    ),
+    "rollout name missing with auto": (
+        [],
+        {"actor_rollout_ref.rollout.name": None},
+        None,
+        ProfileMismatchError,
+        "actor_rollout_ref.rollout.name",
+    ),
+    "metrics without rollout log-probs": (
+        ["actor_rollout_ref.rollout.calculate_log_probs=false"],
+        {},
+        None,
+        AlignmentError,
+        "calculate_log_probs=True",
+    ),
+    "non-FSDP strategy": (
+        ["actor_rollout_ref.actor.strategy=megatron"],
+        {},
+        None,
+        AlignmentError,
+        "fsdp or fsdp2",
+    ),
+    "unsupported architecture": ([], {}, '{"model_type": "gpt2"}', UnsupportedModelError, "not supported"),
     "compilation_config malformed JSON": ([], {CC: '{"mode": 0'}, None, ConfigFormatError, "not valid JSON"),
     "compilation_config a list": ([], {CC: [1, 2]}, None, ConfigFormatError, "not a JSON object"),
     "compilation_config JSON list": ([], {CC: "[0]"}, None, ConfigFormatError, "not a JSON object"),
@@ -168,7 +236,8 @@ def test_boolean_spellings_are_parsed_strictly(spelling, model_dir):
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.rollout.calculate_log_probs=false",
         f"alignment.metrics={spelling}",
-        f"alignment.compile={spelling}",
+        "alignment.verify.enable=false",
+        f"alignment.experimental.compile={spelling}",
     )
     if want:  # metrics on without rollout log-probs: refused, and the fix names a spelling that works
         with pytest.raises(Exception, match=r"alignment\.metrics=false") as info:
@@ -178,12 +247,11 @@ def test_boolean_spellings_are_parsed_strictly(spelling, model_dir):
             "actor_rollout_ref.rollout.name=vllm",
             f"actor_rollout_ref.model.path={model_dir}",
             "alignment.metrics=false",
-            f"alignment.compile={spelling}",
+            "alignment.verify.enable=false",
+            f"alignment.experimental.compile={spelling}",
         )
         assert "calculate_log_probs=True" in str(info.value)
-    validate_config(cfg, on_cuda=False)
-    override = OmegaConf.to_container(cfg.actor_rollout_ref.model.override_config, resolve=True)
-    assert override.get("rlalign_compile", False) is want
+    assert validate_config(cfg, on_cuda=False).experimental.compile is want
 
 
 # --- entry points as a user runs them --------------------------------------------------------------
@@ -202,7 +270,11 @@ ENTRY = {
         ["rlalign_verl.main_ppo", "alignment=all", "alignment.metrics=maybe"],
         "alignment.metrics",
     ),
-    "our entry, regions=5": (["rlalign_verl.main_ppo", "alignment.regions=5"], "alignment.regions=[rope"),
+    "our entry, regions=5": (["rlalign_verl.main_ppo", "alignment.regions=5"], "alignment.regions=5"),
+    "our entry, a moved key": (
+        ["rlalign_verl.main_ppo", "alignment=all", "alignment.compile=true"],
+        "alignment.compile moved to alignment.experimental.compile",
+    ),
 }
 
 
@@ -225,3 +297,31 @@ def test_entry_points_print_one_line_and_exit_2(model_dir):
         errors = [ln for ln in se.splitlines() if ln.startswith("[rlalign-verl] ERROR")]
         assert len(errors) == 1 and fragment in errors[0], (case, se[-2000:])
         assert "Traceback" not in se and "HYDRA_FULL_ERROR" not in se, (case, se[-2000:])
+
+
+def test_verl_entry_point_names_a_moved_key_before_hydra():
+    """``import verl`` loads the plugin before Hydra composes: an old key is our one line, not "not in struct"."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            SEARCHPATH,
+            "+alignment=all",
+            "alignment.kernels=triton",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("[rlalign-verl] ERROR")]
+    assert errors == [
+        "[rlalign-verl] ERROR ConfigFormatError: alignment.kernels moved to alignment.experimental.kernels; "
+        "rename it on the command line"
+    ]
+    assert "Traceback" not in out.stderr

@@ -19,8 +19,8 @@ HEAVY = ("vllm", "matplotlib")
 # path (relative to the package) -> why it may name vLLM: it patches vLLM inside vLLM's own process
 ALLOWED = {
     "verl/cpu/fixes.py": "opt-in CPU adaptations (RLALIGN_VERL_CPU=1) patch the vLLM rollout server itself",
-    "regions/attention.py": "opt-in attention region runs the engine's own CPU attention op (lazy import)",
-    "regions/moe_engine_op.py": "opt-in moe_variant=engine-op runs the engine's own CPU expert op (lazy import)",
+    "engine_ops/attention_op.py": "opt-in attention region's engine-op: the engine's own CPU attention op",
+    "engine_ops/moe_op.py": "opt-in moe_variant=engine-op: the engine's own CPU expert op",
 }
 
 

@@ -17,12 +17,8 @@ from rlalign_verl.errors import AlignmentError
 from rlalign_verl.profiles import get_profile
 from rlalign_verl.regions import rmsnorm
 from rlalign_verl.regions.compiled import inductor_available
-from rlalign_verl.regions.inductor_norm import (
-    check_compiled_norm,
-    check_compiled_norm_model,
-    inductor_norms,
-    stores_sum,
-)
+from rlalign_verl.regions.inductor_norm import inductor_norms, stores_sum
+from rlalign_verl.spec import AlignmentSpec
 
 BF = torch.bfloat16
 EPS = 1e-6
@@ -187,12 +183,15 @@ def test_plain_norm_backward_close_to_the_eager_region(keep_fp32: bool) -> None:
 
 
 def test_errors_are_one_line() -> None:
-    with pytest.raises(AlignmentError, match="compiled_norm=False") as e:
-        check_compiled_norm(get_profile("vllm-cpu-eager"), ("rmsnorm",), True)
+    def validate(engine: str, regions: str, on: bool, model_type: str | None = None) -> None:
+        AlignmentSpec.parse(regions=regions, engine=engine, compiled_norm=on).validate(model_type=model_type)
+
+    with pytest.raises(AlignmentError, match="turn it off") as e:
+        validate("vllm-cpu-eager", "rmsnorm", True)
     assert "\n" not in str(e.value)
     with pytest.raises(AlignmentError, match="add rmsnorm"):
-        check_compiled_norm(P, ("rope", "swiglu"), True)
-    check_compiled_norm(get_profile("vllm"), ("rope",), False)  # off: nothing to check
+        validate("vllm-cpu", "rope,swiglu", True)
+    validate("vllm", "rope", False)  # off: nothing to check
 
 
 @pytest.mark.parametrize(
@@ -201,10 +200,11 @@ def test_errors_are_one_line() -> None:
 )
 def test_compiled_norm_per_model_type(model_type: str, refused: bool) -> None:
     """MoE families are refused (stored-sum positions verified on dense models only); off checks nothing."""
-    check_compiled_norm_model(model_type, False)
+    spec = AlignmentSpec.parse(regions="rope,rmsnorm", engine="vllm-cpu", compiled_norm=True)
+    AlignmentSpec.parse(regions="rope,rmsnorm", engine="vllm-cpu").validate(model_type=model_type)
     if not refused:
-        check_compiled_norm_model(model_type, True)
+        spec.validate(model_type=model_type)
         return
     with pytest.raises(AlignmentError, match="dense models only") as e:
-        check_compiled_norm_model(model_type, True)
+        spec.validate(model_type=model_type)
     assert "\n" not in str(e.value) and "qwen2, " in str(e.value)

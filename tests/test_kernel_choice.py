@@ -14,46 +14,19 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlalign_verl import kernels
-from rlalign_verl.errors import AlignmentError
 from rlalign_verl.patch import apply_alignment, get_alignment
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FAKE_CUDA = SimpleNamespace(is_cuda=True)
 
 
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RLALIGN_TRITON", raising=False)
-
-
 def test_default_is_torch() -> None:
-    assert kernels.resolve_kernels() == "torch"
-    assert kernels.resolve_kernels("torch") == "torch"
     assert kernels.available(FAKE_CUDA) is False  # a CUDA tensor, nothing asked: PyTorch path
     assert kernels.available(torch.zeros(1), requested=True) is False  # CPU tensors never take Triton
 
 
-@pytest.mark.parametrize("env, want", [("0", "torch"), ("", "torch"), ("yes", "torch"), ("1", "triton")])
-def test_env_opt_in(monkeypatch: pytest.MonkeyPatch, env: str, want: str) -> None:
-    monkeypatch.setenv("RLALIGN_TRITON", env)
-    if want == "triton" and not HAS_TRITON:
-        with pytest.raises(AlignmentError, match="pip install triton"):
-            kernels.resolve_kernels()
-        return
-    assert kernels.resolve_kernels() == want
-    assert kernels.resolve_kernels("torch") == "torch"  # an explicit choice wins over the environment
-
-
 def test_requested_on_cuda_takes_triton_when_installed() -> None:
     assert kernels.available(FAKE_CUDA, requested=True) is HAS_TRITON
-
-
-def test_bad_choices_raise_one_line() -> None:
-    with pytest.raises(AlignmentError, match="use one of torch, triton"):
-        kernels.resolve_kernels("cuda")
-    if HAS_TRITON:
-        with pytest.raises(AlignmentError, match="choose one"):
-            kernels.resolve_kernels("triton", compile=True)
 
 
 def _spy_requests(monkeypatch: pytest.MonkeyPatch, kernels_arg: str | None) -> tuple[str, set[bool]]:

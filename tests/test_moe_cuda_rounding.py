@@ -5,7 +5,7 @@
   slot from the fp32 accumulator, slots summed in bf16 in slot order (top-k <= 4, ``moe_sum_kernel``) or
   in fp32 with one rounding (``at::sum_out``, top-k > 4). float64 vs fp32 accumulation moves a few values
   across a rounding boundary, so >= 99% bit-identical; HF's and the CPU op's roundings must score lower.
-- The vllm / vllm-eager profiles carry it with ``verified=False``: without ``RLALIGN_UNVERIFIED=moe`` an MoE
+- The vllm / vllm-eager profiles carry it with ``verified=False``: without the ``unverified=[moe]`` opt-in an MoE
   model refuses swiglu/moe with one line naming the opt-in and the GPU check; with it the model aligns.
 """
 
@@ -98,26 +98,24 @@ def test_router_all_experts_fp32_vs_float64() -> None:
 
 
 @pytest.mark.parametrize("profile", ["vllm", "vllm-eager"])
-def test_cuda_profiles_need_the_unverified_opt_in(profile: str, monkeypatch) -> None:
+def test_cuda_profiles_need_the_unverified_opt_in(profile: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from rlalign_verl.patch import apply_alignment, get_alignment
 
     prof = get_profile(profile)
     assert prof.moe == CUDA_TRITON_MOE and prof.moe.verified is False
-    monkeypatch.delenv("RLALIGN_UNVERIFIED", raising=False)
     cfg = Qwen3MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, head_dim=16,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=320, num_experts=4, num_experts_per_tok=2,
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=BF).eval()
-    with pytest.raises(UnsupportedModelError, match="RLALIGN_UNVERIFIED=moe") as err:
+    with pytest.raises(UnsupportedModelError, match=r"unverified=\('moe',\)") as err:
         apply_alignment(model, regions=("rope", "swiglu", "rmsnorm"), engine=profile)
     assert "\n" not in str(err.value) and "gpu_moe_check.py" in str(err.value)
     apply_alignment(model, regions=("rope", "rmsnorm"), engine=profile)  # dense regions need no opt-in
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
-    apply_alignment(model, regions=("rope", "swiglu", "rmsnorm", "moe"), engine=profile)
+    apply_alignment(model, regions=("rope", "swiglu", "rmsnorm", "moe"), engine=profile, unverified=("moe",))
     assert get_alignment(model).regions == ("rope", "swiglu", "rmsnorm", "moe")
     ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
+from rlalign_verl.engine_ops.moe_op import engine_experts, engine_op_available
 from rlalign_verl.errors import AlignmentError, UnsupportedModelError
 from rlalign_verl.patch import apply_alignment, get_alignment
 from rlalign_verl.profiles import HF, get_profile
 from rlalign_verl.regions.moe import mix_experts
-from rlalign_verl.regions.moe_engine_op import engine_experts, engine_op_available
 
 BF = torch.bfloat16
 MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
@@ -171,7 +171,7 @@ def test_aligned_model_runs_the_engines_router_and_op(kind: str, profile: str) -
 # --- refusals: one line each, naming the fix; no vLLM needed -------------------------------------------------
 
 REFUSED = {
-    "cuda profile": (dict(engine="vllm", regions=MOE, unverified="moe"), "moe_variant=emulate"),
+    "cuda profile": (dict(engine="vllm", regions=MOE, unverified="moe"), "experimental.moe_variant=emulate"),
     "sglang": (dict(engine="sglang", regions=("rope", "rmsnorm")), "vllm-cpu profiles only"),
     "hf profile": (dict(engine="hf", regions=MOE), "vllm-cpu profiles only"),
     "moe without swiglu": (dict(engine="vllm-cpu", regions=("rope", "rmsnorm", "moe")), "add swiglu"),
@@ -194,7 +194,7 @@ def test_refused_settings(case: str) -> None:
 def test_dense_model_is_refused() -> None:
     model = _build("qwen3")
     with pytest.raises(
-        UnsupportedModelError, match="needs an MoE model .* not qwen3; use moe_variant=emulate"
+        UnsupportedModelError, match="needs an MoE model .* not qwen3; use experimental.moe_variant=emulate"
     ):
         apply_alignment(model, regions=MOE, engine="vllm-cpu", moe_variant="engine-op")
     assert get_alignment(model) is None

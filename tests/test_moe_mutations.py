@@ -135,7 +135,7 @@ def capture(model, profile) -> dict:
         mlp.experts.register_forward_hook(lambda m, a, o: rec.update(x=a[0], w_in=a[2], out=o)),
     ]
     try:
-        apply_alignment(model, regions=("swiglu", "moe"), engine=profile)
+        apply_alignment(model, regions=("swiglu", "moe"), engine=profile, unverified=("moe",))
         with torch.no_grad():
             model(torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1)))
     finally:
@@ -214,7 +214,6 @@ def test_values_cover_every_moe_field() -> None:
 
 @pytest.mark.parametrize("renorm", [False, True], ids=["norm_topk_prob=False", "norm_topk_prob=True"])
 def test_every_moe_mutation_is_killed(renorm: bool, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")  # the CUDA profiles' MoE data is opt-in (unverified)
     model = build(renorm)
     total, survivors, killed_by = 0, [], {}
     for name, p in PROFILES.items():
@@ -272,7 +271,7 @@ def block_sum_check(model, profile) -> list[str]:
         mlp.register_forward_hook(lambda m, a, o: rec.update(out=o)),
     ]
     try:
-        apply_alignment(model, regions=("swiglu", "rmsnorm", "moe"), engine=profile)
+        apply_alignment(model, regions=("swiglu", "rmsnorm", "moe"), engine=profile, unverified=("moe",))
         with torch.no_grad():
             model(torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1)))
     finally:
@@ -295,7 +294,6 @@ def block_sum_check(model, profile) -> list[str]:
 
 
 def test_every_block_sum_mutation_is_killed(monkeypatch) -> None:
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
     model, killed = build_qwen2(), 0
     for name, p in PROFILES.items():
         if p.moe is None:

@@ -25,7 +25,8 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlalign_verl.profiles import get_profile  # noqa: E402
-from rlalign_verl.verl.config import resolve_alignment_config  # noqa: E402
+from rlalign_verl.spec import AlignmentSpec  # noqa: E402
+from rlalign_verl.verl.config import read_spec, resolve_spec  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -91,24 +92,14 @@ def test_recipe_composes_and_verl_accepts_it(recipe):
         cfg = compose_recipe(recipe, ALIGN=align)
         plain = OmegaConf.to_container(cfg, resolve=True)
         resolved[align] = plain
-        assert plain["alignment"] == {
-            "regions": regions,
-            "engine": "auto",
-            "metrics": True,
-            "compile": False,
-            "kernels": "torch",
-            "attention": "engine-op",
-            "head_dtype": "float32",
-            "unverified": [],
-            "compiled_norm": False,
-            "moe_variant": "emulate",
-        }
-        assert plain["actor_rollout_ref"]["model"]["override_config"]["rlalign_regions"] == regions
+        defaults = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in ("engine_auto", "rollout")}
+        assert plain["alignment"] == {**defaults, "regions": regions}
+        assert plain["actor_rollout_ref"]["model"]["override_config"]["rlalign_spec"]["regions"] == regions
         assert plain["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
         assert plain["algorithm"]["adv_estimator"] == "grpo"
         assert plain["critic"]["model"]["override_config"] == {}
         rollout = plain["actor_rollout_ref"]["rollout"]["name"]
-        _, profile, _ = resolve_alignment_config(cfg, on_cuda=True)
+        profile = resolve_spec(cfg, read_spec(cfg), on_cuda=True)[0].engine
         if regions:
             assert get_profile(profile).engine == rollout == "vllm"
             assert profile == "vllm"  # verl's default compiled path on GPUs
@@ -120,7 +111,7 @@ def test_recipe_composes_and_verl_accepts_it(recipe):
     differing = {
         k for k in base if base[k] != aligned[k] and not (isinstance(base[k], str) and exp in base[k])
     }
-    assert differing == {"alignment.regions", "actor_rollout_ref.model.override_config.rlalign_regions"}
+    assert differing == {"alignment.regions", "actor_rollout_ref.model.override_config.rlalign_spec.regions"}
 
 
 def test_recipe_knobs_sglang_multinode_and_sizes():
@@ -130,7 +121,7 @@ def test_recipe_knobs_sglang_multinode_and_sizes():
     assert plain["trainer"]["nnodes"] == 2
     assert plain["actor_rollout_ref"]["model"]["path"] == "Qwen/Qwen2.5-7B-Instruct"
     assert plain["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"] == 2
-    assert resolve_alignment_config(cfg, on_cuda=True)[1] == "sglang"
+    assert resolve_spec(cfg, read_spec(cfg), on_cuda=True)[0].engine == "sglang"
     verl_accepts(cfg)
     cfg = compose_recipe("grpo_qwen3_gsm8k.sh", ALIGN="rope,swiglu", MODEL_SIZE="4B")
     assert OmegaConf.to_container(cfg, resolve=True)["alignment"]["regions"] == ["rope", "swiglu"]

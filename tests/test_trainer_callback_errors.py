@@ -56,15 +56,19 @@ def test_all_nan_step_warns_and_logs_only_counts(base_config, warnings_log):
 
 
 def test_check_metrics_config():
+    from rlalign_verl.verl.config import check_metrics_config, read_spec
+
+    def check(config):
+        check_metrics_config(config, read_spec(config))
+
     with pytest.raises(AlignmentError, match=r"actor_rollout_ref\.rollout\.calculate_log_probs=True"):
-        tc.check_metrics_config(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false"))
-    tc.check_metrics_config(verl_config())  # verl's default: calculate_log_probs=True
-    tc.check_metrics_config(
-        verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", "alignment.metrics=false")
-    )
-    tc.check_metrics_config(
-        verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", alignment=None)
-    )
+        check(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false"))
+    check(verl_config())  # verl's default: calculate_log_probs=True
+    check(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", "alignment.metrics=false"))
+    check(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", alignment=None))
+    with pytest.raises(AlignmentError, match="alignment.verify.enable=true"):  # verification needs them too
+        check(verl_config("actor_rollout_ref.rollout.calculate_log_probs=false", "alignment.metrics=false",
+                          "alignment.regions=[rope]"))  # fmt: skip
     assert tc.metrics_enabled(verl_config(alignment="all"))
     assert not tc.metrics_enabled(verl_config(alignment=None))
 

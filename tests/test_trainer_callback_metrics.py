@@ -70,7 +70,7 @@ def test_step_metrics_options_from_config(base_config):
     batch = DataProto.from_dict(data)
     off = verl_config("alignment.metrics=false")
     assert tc.step_mismatch_metrics(batch, off) == {}
-    no_q = verl_config("+alignment.metrics_quantiles=false")
+    no_q = verl_config("alignment.experimental.metrics_quantiles=false")
     keys = set(tc.step_mismatch_metrics(batch, no_q))
     assert keys == ALL_KEYS - {
         "mismatch/logp_abs_diff_p50",

@@ -10,8 +10,13 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_module  # noqa: E402
 from verl_configs import compose_ours, compose_verl, resolved, run_driver  # noqa: E402
 
+from rlalign_verl.spec import AlignmentSpec  # noqa: E402
+
 pytestmark = pytest.mark.verl
 
+
+DEFAULTS = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in ("engine_auto", "rollout")}
+"""The group's defaults: the spec's defaults (the keys the driver adds when it resolves are not in the group)."""
 
 REGION_CASES = [
     ("[rope]", ["rope"]),
@@ -24,20 +29,9 @@ REGION_CASES = [
 @pytest.mark.parametrize("regions_arg,expected", REGION_CASES, ids=["rope", "all", "none"])
 def test_compose_reaches_actor_not_critic(composer, regions_arg, expected):
     cfg = resolved(composer(f"alignment.regions={regions_arg}", "actor_rollout_ref.rollout.name=vllm"))
-    assert cfg["alignment"] == {
-        "regions": expected,
-        "engine": "auto",
-        "metrics": True,
-        "compile": False,
-        "kernels": "torch",
-        "attention": "engine-op",
-        "head_dtype": "float32",
-        "unverified": [],
-        "compiled_norm": False,
-        "moe_variant": "emulate",
-    }
+    assert cfg["alignment"] == {**DEFAULTS, "regions": expected}
     override = cfg["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {"rlalign_regions": expected, "rlalign_engine": "auto"}
+    assert override == {"rlalign_spec": {**DEFAULTS, "regions": expected}}  # the driver replaces it, resolved
     assert cfg["critic"]["model"]["override_config"] == {}
     # verl's own keys are untouched by our group
     assert cfg["actor_rollout_ref"]["actor"]["strategy"] == "fsdp"
@@ -48,12 +42,12 @@ def test_compose_group_choices():
     assert resolved(compose_ours("alignment=rope"))["alignment"]["regions"] == ["rope"]
     cfg = resolved(compose_ours("alignment=all", "alignment.engine=sglang"))
     assert cfg["alignment"]["regions"] == ["rope", "swiglu", "rmsnorm"]
-    assert cfg["actor_rollout_ref"]["model"]["override_config"]["rlalign_engine"] == "sglang"
+    assert cfg["actor_rollout_ref"]["model"]["override_config"]["rlalign_spec"]["engine"] == "sglang"
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(
             "ppo_trainer", overrides=["hydra.searchpath=[pkg://rlalign_verl.configs]", "+alignment=all"]
         )
-    assert resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]["rlalign_regions"] == [
+    assert resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]["rlalign_spec"]["regions"] == [
         "rope",
         "swiglu",
         "rmsnorm",
@@ -106,21 +100,9 @@ def test_cfg_job_subprocess():
         )
         expected += [want, want]
     for cfg, want in zip(_cfg_job_runs(runs), expected, strict=True):
-        assert cfg["alignment"] == {
-            "regions": want,
-            "engine": "auto",
-            "metrics": True,
-            "compile": False,
-            "kernels": "torch",
-            "attention": "engine-op",
-            "head_dtype": "float32",
-            "unverified": [],
-            "compiled_norm": False,
-            "moe_variant": "emulate",
-        }
+        assert cfg["alignment"] == {**DEFAULTS, "regions": want}
         assert cfg["actor_rollout_ref"]["model"]["override_config"] == {
-            "rlalign_regions": want,
-            "rlalign_engine": "auto",
+            "rlalign_spec": {**DEFAULTS, "regions": want}
         }
         assert cfg["critic"]["model"]["override_config"] == {}
         assert cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"

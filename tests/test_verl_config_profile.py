@@ -10,7 +10,7 @@ pytest.importorskip("hydra")
 from verl_configs import compose_ours  # noqa: E402
 
 from rlalign_verl.errors import ProfileMismatchError  # noqa: E402
-from rlalign_verl.verl.config import choose_profile, resolve_alignment_config  # noqa: E402
+from rlalign_verl.verl.config import choose_profile, read_spec, resolve_spec, would_use_profile  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -63,13 +63,18 @@ def test_choose_profile_errors(kwargs):
         choose_profile(**kwargs)
 
 
+def _resolved(cfg, on_cuda: bool):
+    spec, reason = resolve_spec(cfg, read_spec(cfg), on_cuda=on_cuda)
+    return spec.regions, spec.engine, reason
+
+
 def test_resolve_from_config_auto_and_explicit():
     cfg = compose_ours(
         "alignment.regions=[rope]",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.enforce_eager=true",
     )
-    regions, profile, reason = resolve_alignment_config(cfg, on_cuda=True)
+    regions, profile, reason = _resolved(cfg, on_cuda=True)
     assert (regions, profile) == (("rope",), "vllm-eager")
     assert "enforce_eager=True" in reason
     cfg = compose_ours(
@@ -77,34 +82,28 @@ def test_resolve_from_config_auto_and_explicit():
         "actor_rollout_ref.rollout.name=vllm",
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config={custom_ops:[all]}",
     )
-    assert resolve_alignment_config(cfg, on_cuda=False)[1] == "vllm-cpu-eager"
+    assert _resolved(cfg, on_cuda=False)[1] == "vllm-cpu-eager"
     cfg = compose_ours("alignment.regions=[swiglu]", "actor_rollout_ref.rollout.name=sglang")
-    assert resolve_alignment_config(cfg, on_cuda=True)[:2] == (("swiglu",), "sglang")
+    assert _resolved(cfg, on_cuda=True)[:2] == (("swiglu",), "sglang")
     cfg = compose_ours(
         "alignment.regions=[rmsnorm]", "alignment.engine=vllm-eager", "actor_rollout_ref.rollout.name=vllm"
     )
-    assert resolve_alignment_config(cfg, on_cuda=False)[1] == "vllm-eager"
-    vllm = "actor_rollout_ref.rollout.name=vllm"
-    assert resolve_alignment_config(compose_ours(vllm), on_cuda=True) == (
-        (),
-        None,
-        "alignment.regions is empty: alignment off (profile would be vllm)",
-    )
+    assert _resolved(cfg, on_cuda=False)[1] == "vllm-eager"
     # a baseline run still names the profile the workers would use (not "auto")
-    assert resolve_alignment_config(compose_ours(vllm), on_cuda=False)[2].endswith(
-        "(profile would be vllm-cpu)"
-    )
+    vllm = "actor_rollout_ref.rollout.name=vllm"
+    assert would_use_profile(compose_ours(vllm), on_cuda=True) == "vllm"
+    assert would_use_profile(compose_ours(vllm), on_cuda=False) == "vllm-cpu"
 
 
 def test_baseline_banner_names_the_resolved_profile(monkeypatch):
     """regions=[]: the trainer's start-up line names the profile the workers would use, never `auto`."""
     from rlalign_verl.verl import trainer_callback
-    from rlalign_verl.verl.config import would_use_profile
 
     lines = []
     monkeypatch.setattr(trainer_callback.logger, "info", lambda msg, *a: lines.append(msg % a))
     monkeypatch.setattr("rlalign_verl.verl.config.cuda_available", lambda: False)
-    trainer_callback._start_run(compose_ours("actor_rollout_ref.rollout.name=vllm"))
+    trainer = type("Trainer", (), {"config": compose_ours("actor_rollout_ref.rollout.name=vllm")})()
+    trainer_callback._start_run(trainer, legacy=False)
     assert lines == ["alignment regions=none (baseline) profile=vllm-cpu; mismatch metrics (mismatch/*) on"]
     eager = compose_ours(
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=True"

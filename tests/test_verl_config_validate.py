@@ -1,8 +1,9 @@
-"""Driver-side validation of the ``alignment`` group: what it writes for the workers, and both entry points."""
+"""Driver-side validation of the ``alignment`` group: the one spec it writes for the workers, and both entry points."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -11,80 +12,87 @@ pytest.importorskip("hydra")
 
 from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, compose_ours, resolved, run_driver, valid_config  # noqa: E402
 
-from rlalign_verl.errors import AlignmentError, LigerConflictError, UnsupportedModelError  # noqa: E402
+from rlalign_verl.errors import LigerConflictError, ProfileMismatchError  # noqa: E402
+from rlalign_verl.spec import AlignmentSpec  # noqa: E402
 from rlalign_verl.verl.config import validate_config  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
 
-def test_validate_writes_resolved_settings_for_workers(qwen2_path):
-    cfg = valid_config(qwen2_path)
-    assert validate_config(cfg, on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
+def _worker_spec(cfg) -> AlignmentSpec:
     override = resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {
-        "rlalign_regions": ["rope", "swiglu"],
-        "rlalign_engine": "vllm-cpu",
-        "rlalign_engine_auto": True,
-        "rlalign_rollout": "vllm",
-    }
-    assert resolved(cfg)["critic"]["model"]["override_config"] == {}
+    assert [k for k in override if k.startswith("rlalign")] == ["rlalign_spec"]  # one key carries the request
+    return AlignmentSpec.from_json(override["rlalign_spec"])
 
 
-def test_validate_passes_compile_to_workers_only_when_on(qwen2_path):
-    cfg = valid_config(qwen2_path, "alignment.compile=true")
-    validate_config(cfg, on_cuda=False)
-    override = resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {"rlalign_regions": ["rope", "swiglu"], "rlalign_engine": "vllm-cpu", "rlalign_compile": True,
-                        "rlalign_engine_auto": True, "rlalign_rollout": "vllm"}  # fmt: skip
-    cfg = compose_ours(f"actor_rollout_ref.model.path={qwen2_path}", "actor_rollout_ref.rollout.name=vllm",
-                       "alignment.compile=true")  # fmt: skip
-    validate_config(cfg, on_cuda=False)
-    assert "rlalign_compile" not in resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
+def test_validate_writes_the_resolved_spec_for_workers(qwen2_path):
+    cfg = valid_config(qwen2_path, "alignment.experimental.compile=true", "alignment.verify.every=3")
+    spec = validate_config(cfg, on_cuda=False)
+    assert spec == _worker_spec(cfg)
+    assert (spec.regions, spec.engine, spec.engine_auto, spec.rollout) == (
+        ("rope", "swiglu"),
+        "vllm-cpu",
+        True,
+        "vllm",
+    )
+    assert spec.experimental.compile and spec.verify.every == 3
+    assert "rlalign_spec" not in resolved(cfg)["critic"]["model"]["override_config"]
 
 
-def test_validate_off_sends_nothing_to_workers(qwen2_path):
+def test_validate_off_still_writes_an_empty_request(qwen2_path):
     cfg = compose_ours(f"actor_rollout_ref.model.path={qwen2_path}", "actor_rollout_ref.rollout.name=vllm")
-    assert validate_config(cfg, on_cuda=False) == ((), None)
+    assert validate_config(cfg, on_cuda=False).regions == ()
     # an explicit [] (not a missing key) also overrides a stale value in a checkpoint's config.json
-    assert resolved(cfg)["actor_rollout_ref"]["model"]["override_config"] == {"rlalign_regions": []}
+    assert _worker_spec(cfg).regions == ()
 
 
 def test_validate_keeps_user_override_config(qwen2_path):
     cfg = valid_config(qwen2_path, "+actor_rollout_ref.model.override_config.attn_implementation=sdpa")
     validate_config(cfg, on_cuda=True)
     override = resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]
-    assert override == {
-        "attn_implementation": "sdpa",
-        "rlalign_regions": ["rope", "swiglu"],
-        "rlalign_engine": "vllm",
-        "rlalign_engine_auto": True,
-        "rlalign_rollout": "vllm",
-    }
+    assert (
+        override["attn_implementation"] == "sdpa"
+        and AlignmentSpec.from_json(override["rlalign_spec"]).engine == "vllm"
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
-def test_validate_accepts_moe_and_rejects_expert_parallel(tmp_path, model_type):
+def test_validate_moe_parallelism(tmp_path, model_type):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    args = ("alignment.regions=[rope,swiglu]", "actor_rollout_ref.rollout.name=vllm",
-            f"actor_rollout_ref.model.path={tmp_path}")  # fmt: skip
-    assert validate_config(compose_ours(*args), on_cuda=False) == (("rope", "swiglu"), "vllm-cpu")
-    with pytest.raises(AlignmentError, match=r"expert_parallel_size=4: .*expert_parallel_size=1") as err:
-        validate_config(
-            compose_ours(*args, "actor_rollout_ref.rollout.expert_parallel_size=4"), on_cuda=False
-        )
-    assert "\n" not in str(err.value)
+    args = ("alignment.regions=[rope,swiglu,moe]", "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.rollout.tensor_model_parallel_size=1")  # fmt: skip
+    assert validate_config(compose_ours(*args), on_cuda=False).engine == "vllm-cpu"
+    for extra, fragment in (
+        ("actor_rollout_ref.rollout.expert_parallel_size=4", "expert parallel (4)"),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor parallel 2"),
+    ):
+        with pytest.raises(Exception, match=re.escape(fragment)) as err:
+            validate_config(compose_ours(*args, extra), on_cuda=False)
+        assert "\n" not in str(err.value)
 
 
-def test_validate_refuses_unverified_cuda_moe_data_without_the_opt_in(tmp_path, monkeypatch):
+def test_unverified_moe_data_needs_the_opt_in_and_carries_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     args = ("alignment.regions=[rope,swiglu]", "actor_rollout_ref.rollout.name=vllm",
             f"actor_rollout_ref.model.path={tmp_path}")  # fmt: skip
-    monkeypatch.delenv("RLALIGN_UNVERIFIED", raising=False)
-    with pytest.raises(UnsupportedModelError, match="RLALIGN_UNVERIFIED=moe") as err:
-        validate_config(compose_ours(*args), on_cuda=True)  # the vllm profile on CUDA
+    with pytest.raises(Exception, match=r"alignment.experimental.unverified=\[moe\]") as err:
+        validate_config(
+            compose_ours(*args), on_cuda=True
+        )  # the vllm profile on CUDA: MoE data read from source
     assert "\n" not in str(err.value) and "gpu_moe_check.py" in str(err.value)
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
-    assert validate_config(compose_ours(*args), on_cuda=True) == (("rope", "swiglu"), "vllm")
+    cfg = compose_ours(*args, "alignment.experimental.unverified=[moe]")
+    assert validate_config(cfg, on_cuda=True).experimental.unverified == ("moe",)
+    assert _worker_spec(cfg).experimental.unverified == ("moe",)
+
+
+def test_a_cpu_profile_is_refused_on_a_gpu_driver(qwen2_path):
+    """The placement is known when the driver sees CUDA: the refusal comes before Ray, not in the workers."""
+    with pytest.raises(ProfileMismatchError, match="alignment.engine=vllm"):
+        validate_config(valid_config(qwen2_path, "alignment.engine=vllm-cpu"), on_cuda=True)
+    assert (
+        validate_config(valid_config(qwen2_path, "alignment.engine=vllm-cpu"), on_cuda=False).engine
+        == "vllm-cpu"
+    )
 
 
 def test_verl_validate_config_runs_ours(qwen2_path):
@@ -125,12 +133,16 @@ def test_entry_points_validate_on_driver_before_ray(qwen2_path):
     profile = "vllm-eager" if _cuda() else "vllm-cpu-eager"
     for section in sections[:2]:
         line = next(ln for ln in section.splitlines() if ln.startswith("REACHED_RUN_PPO "))
-        assert json.loads(line.split(" ", 1)[1]) == {
-            "rlalign_regions": ["rope"], "rlalign_engine": profile, "rlalign_engine_auto": True, "rlalign_rollout": "vllm"
-        }  # fmt: skip
+        spec = AlignmentSpec.from_json(json.loads(line.split(" ", 1)[1])["rlalign_spec"])
+        assert (spec.regions, spec.engine, spec.engine_auto, spec.rollout) == (
+            ("rope",),
+            profile,
+            True,
+            "vllm",
+        )
     for section in sections[2:]:
         assert "REACHED_RUN_PPO" not in section, section
-        assert "RAISED LigerConflictError actor_rollout_ref.model.use_liger=True" in section, section
+        assert "RAISED LigerConflictError" in section and "use_liger=False" in section, section
     assert f"alignment regions=rope profile={profile}" in out.stderr
 
 
@@ -138,12 +150,3 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def test_validate_passes_triton_kernels_only_when_asked(qwen2_path):
-    cfg = valid_config(qwen2_path, "alignment.kernels=triton")
-    validate_config(cfg, on_cuda=False)
-    assert resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]["rlalign_kernels"] == "triton"
-    cfg = valid_config(qwen2_path)  # default: torch, nothing sent (the workers' default is the PyTorch path)
-    validate_config(cfg, on_cuda=False)
-    assert "rlalign_kernels" not in resolved(cfg)["actor_rollout_ref"]["model"]["override_config"]

@@ -50,6 +50,12 @@ def test_verl_fsdp_engine_aligns_actor_and_ref_not_critic(qwen2_path):
         assert r["actor_logits_change_when_removed"] > 0, (case, r)
         assert r["actor_logits_finite"], (case, r)
         assert r["flags_left"] == [], (case, r)
+        # an in-run verification pass: unaligned logits, then the aligned model bit for bit as before
+        assert r["verify_pass_is_unaligned"], (case, r)
+        assert r["aligned_bit_identical_after_verify_pass"] and r["grads_bit_identical_after_verify_pass"], (
+            case,
+            r,
+        )
     # one log line per aligned model, naming role, regions and profile
     lines = [ln for ln in stderr.splitlines() if "[rlalign-verl]" in ln and "aligned" in ln]
     assert len(lines) == 2 * len(ENGINE_CASES), stderr[-3000:]
@@ -71,6 +77,25 @@ def test_verl_fsdp_engine_aligns_tiny_qwen3_moe_actor(tiny_checkpoint):
         assert r["actor_logits_change_when_removed"] > 0 and r["actor_logits_finite"], (case, r)
         assert "Qwen3MoeExperts" in r["actor_bound"], (case, r)
     assert any("aligned Qwen3MoeForCausalLM (role=actor, rank 0)" in ln for ln in stderr.splitlines())
+
+
+def _grads(module, ids) -> list:
+    """One training forward+backward (the engine's bf16 autocast, checkpointing as configured); local grads."""
+    import torch
+
+    module.train()
+    module.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = module(input_ids=ids).logits.float().pow(2).mean()
+    loss.backward()
+    out = []
+    for p in module.parameters():
+        if p.grad is not None:
+            g = p.grad
+            out.append((g.to_local() if hasattr(g, "to_local") else g).detach().clone())
+    module.zero_grad(set_to_none=True)
+    module.eval()
+    return out
 
 
 def _engine_child(model_path: str) -> None:
@@ -190,7 +215,10 @@ def _engine_child(model_path: str) -> None:
 
     verl_model.load_valuehead_model = _value_model_sdpa
 
-    alignment = {"rlalign_regions": ["rope", "swiglu", "rmsnorm"], "rlalign_engine": "vllm-cpu"}
+    from rlalign_verl.patch import alignment_variant
+    from rlalign_verl.spec import AlignmentSpec
+
+    alignment = {"rlalign_spec": AlignmentSpec.parse({"regions": "all", "engine": "vllm-cpu"}).to_json()}
     ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
     def build(model_type, override, forward_only, strategy, rmpad, gc, lora):
@@ -232,8 +260,27 @@ def _engine_child(model_path: str) -> None:
             st = get_alignment(actor.module)
             remove_alignment(actor.module)
             plain_logits = actor.module(input_ids=ids).logits.float()
-            apply_alignment(actor.module, regions=st.regions, engine=st.profile)
+            apply_alignment(actor.module, st.spec.replace(engine=st.profile))
+            # an in-run verification pass (alignment switched off), then the aligned model exactly as before
+            before = actor.module(input_ids=ids).logits.float()
+            with alignment_variant(actor.module, ()):
+                unaligned_logits = actor.module(input_ids=ids).logits.float()
+            after = actor.module(input_ids=ids).logits.float()
+        grads_before = _grads(actor.module, ids)
+        with (
+            torch.no_grad(),
+            alignment_variant(actor.module, ("rope",)),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
+            actor.module(input_ids=ids)
+        grads_after = _grads(actor.module, ids)
         results[case] = {
+            "verify_pass_is_unaligned": bool(torch.equal(unaligned_logits, plain_logits)),
+            "aligned_bit_identical_after_verify_pass": bool(torch.equal(before, after))
+            and bool(torch.equal(before, aligned_logits)),
+            "grads_bit_identical_after_verify_pass": all(
+                torch.equal(a, b) for a, b in zip(grads_before, grads_after, strict=True)
+            ),
             "actor": state(actor),
             "ref": state(ref),
             "critic": state(critic),
@@ -246,7 +293,7 @@ def _engine_child(model_path: str) -> None:
             "flags_left": [
                 key
                 for e in (actor, ref)
-                for key in ("rlalign_regions", "rlalign_engine")
+                for key in ("rlalign_spec", "rlalign_regions", "rlalign_engine")
                 if hasattr(e.model_config.hf_config, key)
             ],
         }

@@ -21,7 +21,7 @@ from .engine_ops import _compiled
 
 def cpu_isa() -> str:
     """The ISA vLLM's CPU experts use here: ``amx`` (X86CPUUnquantizedExperts) or ``vec``."""
-    from ..regions.moe_engine_op import engine_isa
+    from ..engine_ops.moe_op import engine_isa
 
     return engine_isa()
 

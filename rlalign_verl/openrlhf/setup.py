@@ -34,14 +34,12 @@ from ..errors import LigerConflictError
 from ..verl.import_hooks import when_imported
 from ..wrap_once import wrap_once
 from .log import logger, warn_once
-from .settings import Settings, get_arg
+from .settings import ROLLOUT, Settings, get_arg
 
 HOOK = "rlalign_verl.openrlhf.setup.install"
 """The ``worker_process_setup_hook`` string the launcher hands to Ray."""
 
 _active: Settings | None = None
-ROLLOUT = "vllm"
-"""OpenRLHF's rollout engine (its PPO trainer samples with vLLM engines); used by the placement check."""
 
 # Modules that build vLLM SamplingParams for rollouts (0.11.x first; older releases built them in the
 # experience maker).
@@ -120,16 +118,15 @@ def placed_profile(settings: Settings, device_type: str) -> str:
     ``--alignment.engine auto`` moves the driver's choice to this device's build; an explicit profile for
     another device, or ``hf`` (OpenRLHF always samples with vLLM), is an error.
     """
-    from ..placement import profile_for_device
-
-    profile = profile_for_device(settings.profile, device_type, auto=settings.auto, rollout=ROLLOUT).name
-    if profile != settings.profile:
+    profile = settings.spec.validate(device=device_type, rollout=ROLLOUT, spelling="flag")
+    name = settings.profile if profile is None else profile.name
+    if name != settings.profile:
         logger.info(
             "--alignment.engine auto: profile %s (chosen on the driver) is %s on this worker",
             settings.profile,
-            profile,
+            name,
         )
-    return profile
+    return name
 
 
 def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> Any:
@@ -144,14 +141,7 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     if profile is None:
         profile = placed_profile(settings, worker_device_type(hf_model))
-    apply_alignment(
-        hf_model,
-        regions=settings.regions,
-        engine=profile,
-        unverified=settings.unverified,
-        compiled_norm=settings.compiled_norm,
-        moe_variant=settings.moe_variant,
-    )
+    apply_alignment(hf_model, settings.spec.replace(engine=profile))
     state = get_alignment(hf_model)
     logger.info(
         "aligned %s for %s (pid %d): %s",

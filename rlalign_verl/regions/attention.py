@@ -16,7 +16,7 @@ previous one (verl's packed remove-padding batches and left-padded rows both qua
 become one-token sequences whose outputs the loss masks anyway). Without ``position_ids`` each batch row
 is one sequence.
 
-CUDA and SGLang profiles refuse this region (:func:`check_attention_supported`): their kernels
+CUDA and SGLang profiles refuse this region (:func:`rlalign_verl.spec_checks.check_attention`): their kernels
 (FlashAttention-2/3, FlashInfer) decode with split-KV partial softmaxes merged in an order set by the
 batch and the tile layout (``vllm/v1/attention/backends/flash_attn.py`` ``FlashAttentionImpl.forward``
 -> ``flash_attn_varlen_func`` with ``num_splits``/``scheduler_metadata``;
@@ -27,53 +27,17 @@ so the per-token reduction order of decode differs from any training-side prefil
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import AlignmentError
-from ..profiles import EngineProfile
+from ..spec import ATTENTION_VARIANTS
 from ._precision import autocast_disabled
 
-ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
+__all__ = ["ATTENTION_VARIANTS", "aligned_attention", "attention_interface", "sequence_ids"]
 DEFAULT_VARIANT = "engine-op"
-ENGINE_BLOCK_SIZE = 128
-"""vLLM CPU's default KV-cache block size (``vllm/platforms/cpu.py`` ``check_and_update_config``)."""
-
-
-class AttentionUnsupportedError(AlignmentError):
-    """The ``attention`` region was asked for on an engine path whose attention cannot be reproduced."""
-
-
-_REFUSAL = {
-    "vllm": (
-        "vLLM on GPUs runs FlashAttention/FlashInfer, whose decode merges split-KV partial softmaxes in a "
-        "batch- and tile-dependent order (vllm/v1/attention/backends/flash_attn.py, flashinfer.py)"
-    ),
-    "sglang": (
-        "SGLang runs FlashInfer/FA3 with split-KV decode in a batch- and tile-dependent order "
-        "(python/sglang/srt/layers/attention/flashinfer_backend.py)"
-    ),
-}
-
-
-def check_attention_supported(profile: EngineProfile, variant: str = DEFAULT_VARIANT) -> None:
-    """Raise a one-line error if ``profile``'s attention cannot be reproduced or ``variant`` is unknown."""
-    if variant not in ATTENTION_VARIANTS:
-        raise AttentionUnsupportedError(
-            f"unknown attention variant {variant!r}; use one of {list(ATTENTION_VARIANTS)}"
-        )
-    if profile.device == "cpu" and profile.engine == "vllm":
-        return
-    if profile.engine == "hf":
-        return  # aligning to HF keeps HF's own attention
-    why = _REFUSAL.get(profile.engine, f"no verified attention path for engine {profile.engine!r}")
-    raise AttentionUnsupportedError(
-        f"the attention region cannot be aligned to profile {profile.name!r}: {why}; drop 'attention' from "
-        f"the regions (rope, swiglu, rmsnorm and lm_head do work with this profile)"
-    )
 
 
 def sequence_ids(position_ids: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
@@ -86,88 +50,8 @@ def sequence_ids(position_ids: torch.Tensor | None, batch: int, seq: int) -> tor
     return torch.cumsum(starts.reshape(-1).long(), 0) - 1
 
 
-def _segment_lengths(ids: torch.Tensor) -> torch.Tensor:
+def segment_lengths(ids: torch.Tensor) -> torch.Tensor:
     return torch.unique_consecutive(ids, return_counts=True)[1]
-
-
-# --- the engine's op --------------------------------------------------------------------------
-
-
-@functools.cache
-def _engine_isa(dtype: torch.dtype, head_dim: int) -> str:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, ENGINE_BLOCK_SIZE, head_dim)
-    if isa == "amx":
-        torch.cpu._init_amx()  # the kernel's AMX tiles need the OS permission oneDNN would otherwise request
-    return isa
-
-
-def engine_op_available() -> tuple[bool, str]:
-    """Whether vLLM's CPU attention op can be called here; the reason if not."""
-    try:
-        # vllm._custom_ops loads the kernel library built for this CPU's ISA (vllm/platforms/cpu.py
-        # import_kernels: _C needs AVX512-BF16, else _C_AVX512 or _C_AVX2); `import vllm._C` would crash without it
-        import vllm._custom_ops  # noqa: F401
-
-        torch.ops._C.cpu_attention_with_kv_cache  # noqa: B018
-    except Exception as e:  # noqa: BLE001 - any import/registration failure means "not here"
-        return False, f"{type(e).__name__}: {e}".splitlines()[0]
-    return True, ""
-
-
-def engine_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``cpu_attention_with_kv_cache`` on packed ``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` (causal per sequence).
-
-    The KV of each sequence is written into a paged cache of ``ENGINE_BLOCK_SIZE`` blocks with the
-    engine's own ``cpu_attn_reshape_and_cache``, as the engine's prefill does.
-    """
-    from vllm import envs
-
-    n, hq, d = q.shape
-    hkv, bs = k.shape[1], ENGINE_BLOCK_SIZE
-    lens = _segment_lengths(ids).to(torch.int32)
-    nseq = lens.shape[0]
-    nblk = (lens + bs - 1) // bs
-    max_blk = int(nblk.max())
-    first = torch.zeros(nseq, dtype=torch.int64)
-    first[1:] = torch.cumsum(nblk, 0)[:-1]
-    block_table = (first[:, None] + torch.arange(max_blk)[None, :]).to(torch.int32)
-    qsl = torch.zeros(nseq + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(lens, 0)
-    tok = torch.arange(n) - qsl[:-1].long().repeat_interleave(lens.long())
-    slots = block_table.long()[ids, tok // bs] * bs + tok % bs
-    cache = torch.zeros(int(nblk.sum()), hkv, 2 * bs, d, dtype=k.dtype)
-    k_cache, v_cache = cache.chunk(2, dim=2)
-    isa = _engine_isa(q.dtype, d)
-    torch.ops._C.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa, 1.0, 1.0, "auto")
-    meta = torch.ops._C.get_scheduler_metadata(
-        nseq, hq, hkv, d, lens, q.dtype, qsl, True, -1, isa, envs.VLLM_CPU_ATTN_SPLIT_KV, None, "auto"
-    )
-    out = torch.empty_like(q)
-    torch.ops._C.cpu_attention_with_kv_cache(
-        q,
-        k_cache,
-        v_cache,
-        out,
-        qsl,
-        lens,
-        scale,
-        True,
-        None,
-        -1,
-        block_table,
-        0.0,
-        meta,
-        None,
-        None,
-        1.0,
-        1.0,
-        "auto",
-    )
-    return out
 
 
 # --- the fp32 SDPA emulation and the shared backward --------------------------------------------
@@ -198,7 +82,7 @@ def _sdpa_fp32(
     return torch.cat(out)
 
 
-class _AttentionFn(torch.autograd.Function):
+class AttentionFn(torch.autograd.Function):
     """Forward: the chosen variant, rounded once. Backward: fp32 SDPA's, recomputed from bf16 q/k/v."""
 
     @staticmethod
@@ -206,8 +90,10 @@ class _AttentionFn(torch.autograd.Function):
         # q [N, Hq, D], k/v [N, Hkv, D] packed tokens -> [N, Hq, D] in q.dtype
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
-        ctx.lens = _segment_lengths(ids).tolist()
+        ctx.lens = segment_lengths(ids).tolist()
         if variant == "engine-op":
+            from ..engine_ops.attention_op import engine_attention  # imports vLLM's CPU kernels
+
             return engine_attention(q.contiguous(), k.contiguous(), v.contiguous(), ids, scale)
         with autocast_disabled(q):
             # engine kernels accumulate scores, softmax and p.v in fp32 and round the output once
@@ -244,7 +130,7 @@ def aligned_attention(
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
 
-    out = _AttentionFn.apply(packed(q), packed(k), packed(v), ids, scale, variant)
+    out = AttentionFn.apply(packed(q), packed(k), packed(v), ids, scale, variant)
     return out.view(b, t, hq, d)
 
 

@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import AlignmentError
 from ..profiles import EngineProfile, NormRounding
 from ._precision import autocast_disabled
 from .rmsnorm import _norm_backward, _normalize, _rsqrt_mean_sq
@@ -197,34 +196,6 @@ class _InductorRmsNormFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx, _, gw = _backward(x, weight, gy, None, ctx.eps, ctx.rounding, x.dtype, ctx.options)
         return dx, gw, None, None, None, None
-
-
-def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], compiled_norm: bool) -> None:
-    """Raise a one-line ``AlignmentError`` when ``compiled_norm=True`` cannot mirror ``profile``."""
-    if not compiled_norm:
-        return
-    if not profile.norm_inductor:
-        raise AlignmentError(
-            f"compiled_norm=True: profile {profile.name!r} does not run its norms as an Inductor graph the trainer "
-            "can reproduce; use compiled_norm=False (or a compiled vLLM CPU profile such as vllm-cpu)"
-        )
-    if "rmsnorm" not in regions:
-        raise AlignmentError("compiled_norm=True needs the rmsnorm region; add rmsnorm to the regions")
-
-
-def check_compiled_norm_model(model_type: str, compiled_norm: bool) -> None:
-    """Refuse ``compiled_norm=True`` on MoE families in one line: their engine graph is not verified.
-
-    The norm positions where the engine's graph stores the residual sum were read from dense models only.
-    """
-    from ..families import FAMILIES, get_family
-
-    if compiled_norm and get_family(model_type).experts is not None:
-        dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
-        raise AlignmentError(
-            f"compiled_norm=True is verified for dense models only ({dense}), not {model_type}; "
-            "use compiled_norm=False for this model"
-        )
 
 
 def inductor_norms(profile: EngineProfile) -> tuple[Callable, Callable]:

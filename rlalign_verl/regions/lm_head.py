@@ -19,31 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import AlignmentError
 from ._precision import autocast_disabled
-
-HEAD_DTYPES: dict[str, torch.dtype | None] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "model": None,
-    "bfloat16": None,
-    "bf16": None,
-}
-"""Accepted ``head_dtype`` names; ``None`` = the model dtype (the unchanged bf16 head)."""
-
-
-class HeadDtypeError(AlignmentError):
-    """An unknown head dtype, or trainer and engine heads that disagree."""
-
-
-def parse_head_dtype(name: str | None) -> str:
-    """Canonical ``"float32"`` or ``"model"`` for a head-dtype name (``None`` -> ``"float32"``)."""
-    key = "float32" if name is None else str(name).strip().lower()
-    if key not in HEAD_DTYPES:
-        raise HeadDtypeError(
-            f"unknown head_dtype {name!r}; use float32 (the engine's fp32 head) or model (bf16)"
-        )
-    return "float32" if HEAD_DTYPES[key] is torch.float32 else "model"
 
 
 def _mm_fp32(h2: torch.Tensor, w: torch.Tensor, cuda_path: bool) -> torch.Tensor:

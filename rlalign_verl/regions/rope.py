@@ -108,7 +108,7 @@ def apply_rope(
     ``out_dtype`` defaults to ``q.dtype``; pass the activation dtype when ``q``/``k`` arrive in
     fp32 (Qwen3's q/k-norm handed over unrounded). With ``rounding.table == "bf16"`` the table is
     rounded to ``out_dtype`` first (a no-op for HF's already-rounded table); with ``"fp32"`` the caller
-    must pass the unrounded fp32 table (:func:`rope_table`). ``triton=True`` (or ``RLALIGN_TRITON=1``) runs
+    must pass the unrounded fp32 table (:func:`rope_table`). ``triton=True`` (``experimental.kernels=triton``) runs
     the forward as the opt-in Triton kernel on CUDA tensors.
     """
     out_dtype = out_dtype or q.dtype

@@ -48,6 +48,6 @@ def swiglu(
 ) -> torch.Tensor:
     """``R(silu(g) * u)`` (1 rounding) or ``R(R(silu(g)) * u)`` (2 roundings), in ``gate.dtype``.
 
-    ``triton=True`` (or ``RLALIGN_TRITON=1``) runs the forward as the opt-in Triton kernel on CUDA tensors.
+    ``triton=True`` (``experimental.kernels=triton``) runs the forward as the opt-in Triton kernel on CUDA tensors.
     """
     return _SwigluFn.apply(gate, up, rounding.roundings, triton)

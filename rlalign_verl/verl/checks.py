@@ -10,8 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import AlignmentError, ConfigFormatError
-from ..options import option_bool
+from ..errors import ConfigFormatError
 
 SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
 """The override that makes verl's own entry point find the ``alignment`` config group."""
@@ -82,56 +81,15 @@ def local_config_json(path: Any) -> str | None:
     return cfg_file if os.path.isfile(cfg_file) else None
 
 
-OPTIONAL_KEYS = ("metrics_quantiles",)
-"""``alignment`` keys that are not in the group's ``default.yaml`` (set with ``+alignment.<key>=...``)."""
+def check_override_spellings(argv: list[str]) -> None:
+    """Refuse, naming the new key, a command-line override of an ``alignment`` key that moved under
+    ``alignment.experimental`` (Hydra itself would only say the key is not in the struct)."""
+    from ..spec import MOVED, key_name
 
-
-def alignment_keys() -> set[str]:
-    """The keys the ``alignment`` group defines (read from its ``default.yaml``) plus :data:`OPTIONAL_KEYS`."""
-    from importlib.resources import files
-
-    from omegaconf import OmegaConf
-
-    default = OmegaConf.load(str(files("rlalign_verl.configs").joinpath("alignment", "default.yaml")))
-    return set(default.alignment) | set(OPTIONAL_KEYS)
-
-
-def check_alignment_keys(node: Mapping) -> None:
-    """Refuse a key the plugin does not read (``+alignment.compiled=true`` would be silently ignored)."""
-    known = alignment_keys()
-    unknown = sorted(str(k) for k in node if str(k) not in known)
-    if not unknown:
-        return
-    import difflib
-
-    hints = [f"alignment.{m[0]}" for k in unknown if (m := difflib.get_close_matches(k, known, n=1))]
-    hint = f"did you mean {', '.join(hints)}? " if hints else ""
-    raise ConfigFormatError(
-        f"unknown alignment key(s) {unknown}; {hint}valid keys: {', '.join(sorted(known))}"
-    )
-
-
-EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
-
-
-def check_expert_parallel(size: Any) -> None:
-    """MoE: the rollout must run every expert of a token on one rank (its combine is what we mirror)."""
-    if size not in (None, 1):
-        raise AlignmentError(
-            f"{EP_KEY}={size}: MoE alignment mirrors experts combined on one rank only (expert parallel sums the "
-            f"ranks' partial outputs in bf16); set {EP_KEY}=1 or alignment.regions=[]"
-        )
-
-
-def check_kernels(value: Any, compile_value: Any) -> str:
-    """``alignment.kernels``: ``torch`` (default) or the opt-in ``triton``, never together with compile."""
-    from ..kernels import KERNELS
-
-    kernels = str(value or "torch").strip().lower()
-    if kernels not in KERNELS:
-        raise AlignmentError(f"alignment.kernels={kernels!r}: use torch (default) or triton")
-    if kernels == "triton" and option_bool(compile_value, name="alignment.compile", default=False):
-        raise AlignmentError(
-            "alignment.kernels=triton and alignment.compile=true both replace SwiGLU/RoPE; choose one"
-        )
-    return kernels
+    for arg in argv:
+        name, eq, _ = arg.lstrip("+~").partition("=")
+        if eq and name.startswith("alignment.") and name[len("alignment.") :] in MOVED:
+            old = name[len("alignment.") :]
+            raise ConfigFormatError(
+                f"{key_name(old)} moved to {key_name(MOVED[old])}; rename it on the command line"
+            )

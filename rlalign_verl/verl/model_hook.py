@@ -3,9 +3,9 @@
 ``FSDPEngine._build_module`` (``verl/workers/engine/fsdp/transformer_impl.py``) returns the HF model
 after ``from_pretrained``, Liger, verl's ``apply_monkey_patch`` (attention / remove-padding /
 Ulysses), the dtype cast and gradient checkpointing, and before LoRA, QAT and FSDP1/FSDP2 wrapping.
-Wrapping that one method therefore patches every FSDP build. The per-model switch is the pair of
-attributes the driver put on the HF config through ``actor_rollout_ref.model.override_config``;
-the critic's config never gets them, so the critic is left alone.
+Wrapping that one method therefore patches every FSDP build. The per-model switch is the one attribute
+(:data:`~rlalign_verl.verl.wire.SPEC_KEY`, the resolved spec as JSON) the driver put on the HF config through
+``actor_rollout_ref.model.override_config``; the critic's config never gets it, so the critic is left alone.
 """
 
 from __future__ import annotations
@@ -14,53 +14,37 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import AlignmentError
+from ..spec import AlignmentSpec
 from ..wrap_once import wrap_once
-from .config import AUTO_KEY, COMPILE_KEY, ENGINE_KEY, KERNELS_KEY, REGIONS_KEY, ROLLOUT_KEY
-from .head_dtype import ATTENTION_KEY, COMPILED_NORM_KEY, HEAD_DTYPE_KEY, MOE_VARIANT_KEY, UNVERIFIED_KEY
 from .log import logger
+from .wire import OLD_KEYS, SPEC_KEY
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
 
-def requested_alignment(module: Any) -> tuple[tuple[str, ...], str] | None:
-    """``(regions, profile)`` asked for on ``module.config``; None when nothing is requested."""
-    from ..regions import normalize_regions
-
+def requested_spec(module: Any) -> AlignmentSpec | None:
+    """The spec the driver put on ``module.config``; ``None`` when nothing is requested (e.g. the critic)."""
     cfg = getattr(module, "config", None)
-    raw = getattr(cfg, REGIONS_KEY, None)
+    raw = getattr(cfg, SPEC_KEY, None)
     if raw is None:
+        stale = [k for k in OLD_KEYS if getattr(cfg, k, None) not in (None, [], "")]
+        if stale:
+            logger.warning(
+                "%s carries rlalign settings of an older release (%s) and no %s: ignored; the driver writes %s",
+                type(module).__name__,
+                ", ".join(stale),
+                SPEC_KEY,
+                SPEC_KEY,
+            )
         return None
-    if hasattr(raw, "__iter__") and not isinstance(raw, str):
-        raw = [str(r) for r in raw]
-    regions = normalize_regions(raw)
-    if not regions:
-        return None
-    engine = str(getattr(cfg, ENGINE_KEY, None) or "auto").strip().lower()
-    if engine == "auto":
+    spec = AlignmentSpec.from_json(raw if isinstance(raw, str) else dict(raw))
+    if spec.regions and spec.engine == "auto":
         logger.warning(
-            "%s=auto reached the worker (the driver did not resolve it: was validation skipped?); using the "
-            "compiled vLLM profile for this worker's device",
-            ENGINE_KEY,
+            "%s=auto reached the worker (the driver did not resolve it: was validation skipped?); the compiled vLLM "
+            "profile for this worker's device is used",
+            SPEC_KEY,
         )
-    return regions, engine
-
-
-def _placed_profile(module: Any, engine: str) -> str:
-    """The profile checked against where ``module`` runs (:mod:`rlalign_verl.placement`); raises if wrong."""
-    from ..placement import check_placement
-
-    cfg = getattr(module, "config", None)
-    auto = engine == "auto" or bool(getattr(cfg, AUTO_KEY, False))
-    profile = check_placement(
-        "vllm" if engine == "auto" else engine, module, auto=auto, rollout=getattr(cfg, ROLLOUT_KEY, None)
-    )
-    if profile.name != engine:
-        logger.info(
-            "alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device",
-            engine,
-            profile.name,
-        )
-    return profile.name
+    return spec if spec.regions else None
 
 
 def _rank() -> int | None:
@@ -75,30 +59,32 @@ def _rank() -> int | None:
 def align_module(module: Any, *, role: str | None = None) -> Any:
     """Apply the alignment requested on ``module.config`` to ``module`` (in place); log one line.
 
-    A requested alignment that cannot be applied raises (the run must not go on silently unaligned).
+    The spec is checked where the model lives (its device: an ``auto`` profile moves to this device's build);
+    a requested alignment that cannot be applied raises (the run must not go on silently unaligned).
     """
-    wanted = requested_alignment(module)
-    if wanted is None:
+    spec = requested_spec(module)
+    if spec is None:
         return module
-    regions, engine = wanted
     name = type(module).__name__
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
-    compile_ = bool(getattr(getattr(module, "config", None), COMPILE_KEY, False))
-    kernels = getattr(getattr(module, "config", None), KERNELS_KEY, None)  # None: RLALIGN_TRITON=1 or torch
-    opt_in = opt_in_options(getattr(module, "config", None))
     try:
         from ..patch import apply_alignment, get_alignment
+        from ..placement import worker_device_type
 
-        engine = _placed_profile(module, engine)
-        apply_alignment(module, regions=regions, engine=engine, compile=compile_, kernels=kernels, **opt_in)
+        profile = spec.validate(device=worker_device_type(module), rollout=spec.rollout)
+        if profile.name != spec.engine:
+            logger.info(
+                "alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device",
+                spec.engine,
+                profile.name,
+            )
+        apply_alignment(module, spec.replace(engine=profile.name))
         state = get_alignment(module)
     except Exception as err:
-        logger.error(
-            "FAILED to align %s (%s) with regions=%s profile=%s: %s", name, where, regions, engine, err
-        )
+        logger.error("FAILED to align %s (%s) with %s: %s", name, where, spec.describe(), err)
         raise
-    if state is None or tuple(state.regions) != tuple(regions):
-        msg = f"alignment of {name} ({where}) did not take effect: asked {regions}/{engine}, got {state}"
+    if state is None or tuple(state.regions) != tuple(spec.regions):
+        msg = f"alignment of {name} ({where}) did not take effect: asked {spec.describe()}, got {state}"
         logger.error(msg)
         raise AlignmentError(msg)
     logger.info(
@@ -113,37 +99,10 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     return module
 
 
-def opt_in_options(hf_config: Any) -> dict[str, Any]:
-    """``apply_alignment`` keywords of the opt-in regions that the driver put on the HF config."""
-    out = {}
-    if getattr(hf_config, ATTENTION_KEY, None):
-        out["attention"] = str(getattr(hf_config, ATTENTION_KEY))
-    if getattr(hf_config, HEAD_DTYPE_KEY, None):
-        out["head_dtype"] = str(getattr(hf_config, HEAD_DTYPE_KEY))
-    raw = getattr(hf_config, UNVERIFIED_KEY, None)
-    if raw:
-        out["unverified"] = raw if isinstance(raw, str) else [str(v) for v in raw]
-    if getattr(hf_config, COMPILED_NORM_KEY, None):
-        out["compiled_norm"] = True
-    if getattr(hf_config, MOE_VARIANT_KEY, None):
-        out["moe_variant"] = str(getattr(hf_config, MOE_VARIANT_KEY))
-    return out
-
-
 def strip_flags(*configs: Any) -> None:
     """Remove our attributes from HF configs once read, so saved checkpoints never carry them."""
-    keys = (
-        REGIONS_KEY,
-        ENGINE_KEY,
-        COMPILE_KEY,
-        KERNELS_KEY,
-        AUTO_KEY,
-        ROLLOUT_KEY,
-        HEAD_DTYPE_KEY,
-        ATTENTION_KEY,
-    )
     for cfg in configs:
-        for key in (*keys, UNVERIFIED_KEY, COMPILED_NORM_KEY, MOE_VARIANT_KEY):
+        for key in (SPEC_KEY, *OLD_KEYS):
             if cfg is not None and key in getattr(cfg, "__dict__", {}):
                 delattr(cfg, key)
 

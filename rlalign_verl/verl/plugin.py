@@ -7,7 +7,9 @@ It installs post-import hooks only; nothing happens until verl imports the modul
 - ``verl.workers.engine.fsdp.transformer_impl``: ``FSDPEngine._build_module`` aligns the actor and
   ref models before LoRA / FSDP wrapping (see :mod:`rlalign_verl.verl.model_hook`);
 - the trainer modules named by ``rlalign_verl.verl.trainer_callback.TRAINER_MODULES``: the mismatch
-  metrics callback is installed;
+  metrics callback and the in-run verification hooks are installed;
+- ``verl.workers.engine_workers``: ``TrainingWorker.infer_batch`` runs a marked verify pass with alignment
+  switched off (:mod:`rlalign_verl.verl.verify_worker`);
 - with ``RLALIGN_VERL_CPU=1`` only: the CPU adaptations of :mod:`rlalign_verl.verl.cpu`.
 
 verl swallows exceptions raised while loading a plugin, so failures that matter are raised later,
@@ -49,6 +51,12 @@ def _wrap_engine(module: ModuleType) -> None:
     wrap_fsdp_engine(module)
 
 
+def _wrap_workers(module: ModuleType) -> None:
+    from .verify_worker import wrap_training_worker
+
+    wrap_training_worker(module)
+
+
 def _install_trainer_hooks() -> None:
     from . import trainer_callback
 
@@ -56,11 +64,25 @@ def _install_trainer_hooks() -> None:
         when_imported(name, trainer_callback.install_trainer_callback)
 
 
+def _check_command_line() -> None:
+    """verl's own entry point composes its config after ``import verl`` loaded us: refuse a moved ``alignment``
+    key on the command line here, in one line, before Hydra's "not in struct" error."""
+    import sys
+
+    from ..errors import exit_on_error
+    from .checks import check_override_spellings
+
+    if any("alignment." in arg for arg in sys.argv[1:]):
+        with exit_on_error(2):
+            check_override_spellings(sys.argv[1:])
+
+
 def install() -> None:
     """Register the post-import hooks (idempotent)."""
     global LOADED
     if LOADED:
         return
+    _check_command_line()
     from . import cpu
     from .model_hook import ENGINE_MODULE
 
@@ -68,6 +90,9 @@ def install() -> None:
         cpu.install()
     when_imported(VERL_CONFIG_MODULE, _wrap_validate_config)
     when_imported(ENGINE_MODULE, _wrap_engine)
+    from .verify_worker import WORKERS_MODULE
+
+    when_imported(WORKERS_MODULE, _wrap_workers)  # in-run verification: passes with alignment switched off
     _install_trainer_hooks()
     LOADED = True
 

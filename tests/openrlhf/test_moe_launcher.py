@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("openrlhf")
 
 from rlalign_verl.openrlhf import flags  # noqa: E402
-from rlalign_verl.openrlhf.settings import parse_launcher_args  # noqa: E402
+from rlalign_verl.openrlhf.settings import Settings, parse_launcher_args  # noqa: E402
 from rlalign_verl.openrlhf.train_ppo_ray import main  # noqa: E402
 
 
@@ -27,10 +27,10 @@ def _model(tmp_path, model_type: str) -> str:
 
 # id -> (regions, extra argv, fragment of the one error line)
 BAD = {
-    "expert parallel flag": ("all", ["--vllm.enable_expert_parallel"], "drop --vllm.enable_expert_parallel"),
+    "expert parallel flag": ("all", ["--vllm.enable_expert_parallel"], "expert parallel (--vllm.enable_expert_parallel)"),
     "expert parallel size=": ("swiglu", ["--vllm.expert_parallel_size=2"], "expert parallel sums"),
-    "vllm tp 2 with moe": ("all,moe", ["--vllm.tensor_parallel_size", "2"], "use --vllm.tensor_parallel_size 1"),
-    "vllm tp=4 with moe only": ("moe", ["--vllm.tensor_parallel_size=4"], "drop moe from --alignment.regions"),
+    "vllm tp 2 with moe": ("all,moe", ["--vllm.tensor_parallel_size", "2"], "use tensor parallel 1"),
+    "vllm tp=4 with moe only": ("moe", ["--vllm.tensor_parallel_size=4"], "drop moe from the regions"),
 }  # fmt: skip
 
 
@@ -53,7 +53,7 @@ def test_moe_parallel_settings_are_refused_before_ray(case, tmp_path, capsys, mo
     assert info.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("[rlalign-verl] ERROR AlignmentError: --") and fragment in lines[0], lines[0]
+    assert lines[0].startswith("[rlalign-verl] ERROR AlignmentError: ") and fragment in lines[0], lines[0]
     assert "qwen3_moe" in lines[0] and "one rank" in lines[0]
 
 
@@ -71,9 +71,14 @@ GOOD = {
 def test_supported_settings_pass(case, tmp_path, monkeypatch):
     model_type, regions, extra = GOOD[case]
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")  # the default vllm profile's MoE data is unverified
     path = _model(tmp_path, model_type) if model_type else "Qwen/Qwen3-30B-A3B"
-    opts = parse_launcher_args(["--alignment.regions", regions, "--actor.model_name_or_path", path, *extra])
+    opted = [
+        "--alignment.experimental.unverified",
+        "moe",
+    ]  # the default vllm profile's MoE data is unverified
+    opts = parse_launcher_args(
+        ["--alignment.regions", regions, *opted, "--actor.model_name_or_path", path, *extra]
+    )
     assert opts.openrlhf_argv[-len(extra) :] == extra
 
 
@@ -86,24 +91,27 @@ def test_openrlhf_declares_no_expert_parallel_flag():
 
 def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monkeypatch):
     """vllm's MoE rounding is read from source (verified=False): refused before Ray without
-    RLALIGN_UNVERIFIED=moe; with it the launcher passes and forwards the opt-in to every Ray worker."""
+    the opt-in; with it the launcher passes and forwards the opt-in to every Ray worker."""
     import ray
 
     from rlalign_verl.openrlhf.train_ppo_ray import runtime_env
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite a bad setting"))
-    monkeypatch.delenv("RLALIGN_UNVERIFIED", raising=False)
     argv = ["--alignment.regions", "all", "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")]
     with pytest.raises(SystemExit) as info:
         main([*argv, "--vllm.num_engines", "1"])
     assert info.value.code == 2
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert "UNVERIFIED" in line and "RLALIGN_UNVERIFIED=moe" in line and "gpu_moe_check.py" in line
+    assert (
+        "UNVERIFIED" in line
+        and "--alignment.experimental.unverified moe" in line
+        and "gpu_moe_check.py" in line
+    )
     assert parse_launcher_args(["--alignment.regions", "rope,rmsnorm", *argv[2:]])  # dense regions: no opt-in
     assert parse_launcher_args([*argv, "--alignment.engine", "vllm-cpu"])  # verified CPU data: no opt-in
-    monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
-    opts = parse_launcher_args(argv)
-    assert runtime_env(opts.settings)["env_vars"]["RLALIGN_UNVERIFIED"] == "moe"
+    opts = parse_launcher_args([*argv, "--alignment.experimental.unverified", "moe"])
+    carried = Settings.from_env(runtime_env(opts.settings)["env_vars"])
+    assert carried.spec.experimental.unverified == ("moe",)
 
 
 def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
@@ -115,20 +123,19 @@ def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
         "rope,rmsnorm",
         "--alignment.engine",
         "vllm-cpu",
-        "--alignment.compiled_norm",
+        "--alignment.experimental.compiled_norm",
     ]
     with pytest.raises(AlignmentError, match="dense models only") as e:
         parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")])
     assert "\n" not in str(e.value)
     dense = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2")])
-    assert dense.settings.compiled_norm is True
+    assert dense.settings.spec.experimental.compiled_norm is True
 
 
 def test_moe_variant_flag(tmp_path):
     """--alignment.moe_variant engine-op: carried to every Ray worker's apply_alignment; refused by the launcher,
     one line each, with a CUDA profile, without swiglu or moe, on a dense checkpoint, for an unknown name."""
     from rlalign_verl.errors import AlignmentError
-    from rlalign_verl.openrlhf.settings import Settings
     from rlalign_verl.openrlhf.train_ppo_ray import runtime_env
 
     moe, dense = _model(tmp_path, "qwen3_moe"), _model(tmp_path, "qwen2")
@@ -137,24 +144,24 @@ def test_moe_variant_flag(tmp_path):
         "all,moe",
         "--alignment.engine",
         "vllm-cpu",
-        "--alignment.moe_variant",
+        "--alignment.experimental.moe_variant",
         "engine-op",
     ]
     opts = parse_launcher_args([*argv, "--actor.model_name_or_path", moe])
     env = runtime_env(opts.settings)["env_vars"]
-    assert env["RLALIGN_MOE_VARIANT"] == "engine-op" and Settings.from_env(env).moe_variant == "engine-op"
+    assert Settings.from_env(env).spec.experimental.moe_variant == "engine-op"
     assert "moe_variant=engine-op" in opts.settings.describe()
     plain = parse_launcher_args(["--alignment.regions", "all,moe", "--alignment.engine", "vllm-cpu"])
-    assert plain.settings.moe_variant == "emulate"
+    assert plain.settings.spec.experimental.moe_variant == "emulate"
     bad = {
         "cuda profile": (
-            ["--alignment.engine", "auto", "--alignment.unverified", "moe"],
+            ["--alignment.engine", "auto", "--alignment.experimental.unverified", "moe"],
             moe,
             "vllm-cpu profiles",
         ),
         "no moe region": (["--alignment.regions", "rope,swiglu"], moe, "add moe"),
         "dense model": ([], dense, "needs an MoE model"),
-        "unknown": (["--alignment.moe_variant", "fused"], moe, "use one of"),
+        "unknown": (["--alignment.experimental.moe_variant", "fused"], moe, "use one of"),
     }
     for case, (extra, model, fragment) in bad.items():
         with pytest.raises(AlignmentError) as e:

@@ -14,7 +14,7 @@ from rlalign_verl.errors import LigerConflictError, ProfileMismatchError, Unsupp
 from rlalign_verl.openrlhf.settings import Settings  # noqa: E402
 from rlalign_verl.patch import apply_alignment, get_alignment  # noqa: E402
 
-OFF = Settings(regions=(), metrics=False)
+OFF = Settings.build(regions=(), metrics=False)
 
 
 @contextlib.contextmanager
@@ -130,7 +130,7 @@ def test_explicit_cuda_profile_is_refused_on_this_cpu_before_the_checkpoint_load
     from openrlhf.models import Actor
     from rlalign_openrlhf_testkit import plugin_settings
 
-    explicit = Settings(regions=("rope",), profile="vllm", metrics=False)
+    explicit = Settings.build(regions=("rope",), profile="vllm", metrics=False)
     fix = r"profile vllm mirrors the vllm CUDA build but this model runs on a CPU-only worker; use alignment.engine=vllm-cpu"
     # a missing checkpoint: the placement error comes first, so nothing was loaded
     with plugin_settings(explicit), pytest.raises(ProfileMismatchError, match=fix):
@@ -186,7 +186,7 @@ def test_compiled_norm_setting_reaches_apply_alignment(plugin_ray, tiny_qwen2):
 
     for on in (True, False):
         regions = ("rope", "swiglu", "rmsnorm")
-        settings = Settings(regions=regions, profile="vllm-cpu", metrics=False, compiled_norm=on)
+        settings = Settings.build(regions=regions, profile="vllm-cpu", metrics=False, compiled_norm=on)
         with plugin_settings(settings):
             actor = Actor(str(tiny_qwen2), attn_implementation="sdpa", param_dtype="bf16")
         assert get_alignment(actor.model).compiled_norm is on

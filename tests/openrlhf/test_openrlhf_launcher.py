@@ -46,7 +46,7 @@ def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order():
     ]
     opts = parse_launcher_args(argv)
     assert opts.openrlhf_argv == OPENRLHF_FLAGS
-    assert opts.settings == Settings(
+    assert opts.settings == Settings.build(
         regions=("rope", "swiglu"), profile="vllm", metrics=False, collect_rollout_logprobs=True, auto=True
     )
     assert opts.address == "10.0.0.1:6379"
@@ -54,7 +54,7 @@ def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order():
 
 def test_defaults_measure_nothing_aligned():
     opts = parse_launcher_args(OPENRLHF_FLAGS)
-    assert opts.settings == Settings(
+    assert opts.settings == Settings.build(
         regions=(), profile="vllm", metrics=True, collect_rollout_logprobs=False, auto=True
     )
     assert opts.address is None
@@ -92,7 +92,7 @@ def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
         parse_launcher_args(["--alignment.regions", "rope,gelu", *OPENRLHF_FLAGS])
     with pytest.raises(UnknownProfileError, match="valid profiles: vllm, vllm-eager"):
         parse_launcher_args(["--alignment.regions", "rope", "--alignment.engine", "trtllm"])
-    with pytest.raises(AlignmentError, match=r"unknown flag\(s\) \['--alignment.region'\]"):
+    with pytest.raises(AlignmentError, match="unknown alignment key --alignment.region; did you mean"):
         parse_launcher_args(["--alignment.region", "rope", *OPENRLHF_FLAGS])
     with pytest.raises(
         AlignmentError, match="not a boolean; use --alignment.metrics=true or --alignment.metrics=false"
@@ -105,42 +105,36 @@ def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
     assert parse_launcher_args(["--ds.use_liger_kernel"]).settings.regions == ()
 
 
-def test_settings_travel_by_env_vars():
-    s = Settings(
+def test_settings_travel_in_one_env_var():
+    s = Settings.build(
         regions=("swiglu", "rope"), profile="vllm-eager", metrics=False, collect_rollout_logprobs=True
     )
     env = s.to_env()
-    assert env == {
-        "RLALIGN_REGIONS": "rope,swiglu",
-        "RLALIGN_ENGINE": "vllm-eager",
-        "RLALIGN_METRICS": "0",
-        "RLALIGN_COLLECT_ROLLOUT_LOGPROBS": "1",
-        "RLALIGN_ENGINE_AUTO": "0",
-        "RLALIGN_COMPILED_NORM": "0",
-        "RLALIGN_MOE_VARIANT": "emulate",
-        "RLALIGN_UNVERIFIED": "",  # the resolved opt-in (none) overrides a worker's own env
-    }
+    assert list(env) == ["RLALIGN_OPENRLHF"]  # the workers read only this: no other spelling overrides it
     assert Settings.from_env(env) == s
-    opted = Settings.from_env({**env, "RLALIGN_UNVERIFIED": "moe"})
-    assert opted == Settings(**{**s.__dict__, "unverified": ("moe",)})
-    assert Settings.from_env({**env, "RLALIGN_ENGINE_AUTO": "1"}) == Settings(**{**s.__dict__, "auto": True})
+    assert Settings.from_env({**env, "RLALIGN_UNVERIFIED": "moe", "RLALIGN_TRITON": "1"}) == s
     assert Settings.from_env({}) is None
-    cn = Settings.from_env({**env, "RLALIGN_COMPILED_NORM": "1"})
-    assert cn == Settings(**{**s.__dict__, "compiled_norm": True}) and "compiled_norm" in cn.describe()
-    with pytest.raises(UnknownRegionError):
-        Settings.from_env({**env, "RLALIGN_REGIONS": "rope,bogus"})
+    opted = Settings.build(regions="rope", profile="vllm-cpu", compiled_norm=True, unverified="moe")
+    back = Settings.from_env(opted.to_env())
+    assert (
+        back == opted
+        and "compiled_norm=True" in back.describe()
+        and back.spec.experimental.unverified == ("moe",)
+    )
+    with pytest.raises(AlignmentError):
+        Settings.from_env({"RLALIGN_OPENRLHF": '{"spec": {"regions": "rope,bogus"}}'})
 
 
 def test_runtime_env_has_openrlhf_env_vars_settings_and_hook(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.delenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", raising=False)
-    s = Settings(regions=("rope",), profile="vllm")
+    s = Settings.build(regions=("rope",), profile="vllm")
     env = runtime_env(s)
     assert env["worker_process_setup_hook"] == HOOK == "rlalign_verl.openrlhf.setup.install"
     assert env["env_vars"]["NCCL_DEBUG"] == "INFO"  # a user-set value wins, as in OpenRLHF's train()
     assert env["env_vars"]["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
     assert "TOKENIZERS_PARALLELISM" in env["env_vars"]
-    assert env["env_vars"]["RLALIGN_REGIONS"] == "rope"
+    assert Settings.from_env(env["env_vars"]) == s
 
 
 def test_hook_installs_plugin_in_real_ray_workers(plugin_ray, ray_cluster):
@@ -158,7 +152,7 @@ def test_hook_installs_plugin_in_real_ray_workers(plugin_ray, ray_cluster):
     assert worker["pid"] != os.getpid()
     assert worker["settings"] == expected
     assert worker["actor_wrapped"] and worker["experience_maker_wrapped"]
-    assert worker["env"]["RLALIGN_REGIONS"] == "rope,swiglu,rmsnorm"
+    assert Settings.from_env(worker["env"]).regions == ("rope", "swiglu", "rmsnorm")
 
     actor = kit.CpuModelActor.options(num_cpus=0).remote(1, 0, None, None)
     state = ray.get(actor.state.remote())
@@ -233,7 +227,7 @@ print(Actor.__init__._rlalign_wrapped, RemoteExperienceMaker.make_experience_bat
 def test_install_is_import_light_and_patches_modules_when_imported():
     """The setup hook runs in every worker (vLLM engines too): it imports nothing heavy itself; each
     patch lands when OpenRLHF imports the module."""
-    env = Settings(regions=("rope",), metrics=True, collect_rollout_logprobs=True).to_env()
+    env = Settings.build(regions=("rope",), metrics=True, collect_rollout_logprobs=True).to_env()
     result = subprocess.run(
         [sys.executable, "-c", _LAZY_INSTALL],
         capture_output=True,
@@ -248,10 +242,16 @@ def test_install_is_import_light_and_patches_modules_when_imported():
 
 
 def test_compiled_norm_flag_reaches_the_worker_settings():
-    """--alignment.compiled_norm with the compiled CPU profile: parsed, carried by env, off by default."""
-    argv = ["--alignment.regions", "all", "--alignment.engine", "vllm-cpu", "--alignment.compiled_norm"]
+    """--alignment.experimental.compiled_norm with the compiled CPU profile: parsed, carried, off by default."""
+    argv = [
+        "--alignment.regions",
+        "all",
+        "--alignment.engine",
+        "vllm-cpu",
+        "--alignment.experimental.compiled_norm",
+    ]
     on = parse_launcher_args(argv).settings
-    assert on.compiled_norm is True and on.to_env()["RLALIGN_COMPILED_NORM"] == "1"
+    assert on.spec.experimental.compiled_norm is True
     assert Settings.from_env(on.to_env()) == on
-    assert parse_launcher_args(argv[:4]).settings.compiled_norm is False
-    assert parse_launcher_args([*argv, "false"]).settings.compiled_norm is False
+    assert parse_launcher_args(argv[:4]).settings.spec.experimental.compiled_norm is False
+    assert parse_launcher_args([*argv, "false"]).settings.spec.experimental.compiled_norm is False

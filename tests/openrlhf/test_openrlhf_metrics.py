@@ -210,7 +210,7 @@ def test_measure_only_requests_rollout_log_probs(plugin_ray, openrlhf_args):
     engine = EngineDouble.remote()
     generator = SamplesGenerator(get_strategy(openrlhf_args), None, None, None, [engine])
     ray.get(generator._dispatch_prompts_to_vllm(["a"], [""], max_new_tokens=4))
-    with plugin_settings(Settings(regions=(), metrics=True, collect_rollout_logprobs=False)):
+    with plugin_settings(Settings.build(regions=(), metrics=True, collect_rollout_logprobs=False)):
         ray.get(generator._dispatch_prompts_to_vllm(["b"], [""], max_new_tokens=4))
     assert ray.get(engine.recorded.remote()) == [
         {"prompt": "a", "logprobs": 1},

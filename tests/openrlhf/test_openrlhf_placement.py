@@ -27,8 +27,8 @@ CASES = {
         "vllm-cpu", False, "cuda", "vllm CPU build but this model runs on a CUDA worker; use alignment.engine=vllm (or auto)"),
     "explicit eager CPU profile on a CUDA worker": (
         "vllm-cpu-eager", False, "cuda", "use alignment.engine=vllm-eager (or auto)"),
-    "sglang (no CPU build) on a CPU-only worker": (
-        "sglang", True, "cpu", "use alignment.engine=auto or a profile for this device"),
+    "sglang with OpenRLHF's vLLM rollout": (
+        "sglang", True, "cpu", "is a sglang profile but the rollout engine is vllm"),
     "hf with OpenRLHF's vLLM rollout": ("hf", False, "cpu", "profile hf mirrors HF's own rounding, not the vllm rollout"),
     "hf even with auto": ("hf", True, "cuda", "use alignment.engine=auto (or a vllm profile)"),
 }  # fmt: skip
@@ -36,7 +36,7 @@ CASES = {
 
 @pytest.mark.parametrize(("profile", "auto", "device", "want"), CASES.values(), ids=CASES.keys())
 def test_worker_checks_its_profile_against_its_device(profile, auto, device, want):
-    settings = Settings(regions=("rope",), profile=profile, auto=auto)
+    settings = Settings.build(regions=("rope",), profile=profile, auto=auto)
     if want.startswith("vllm") and " " not in want:
         assert placed_profile(settings, device) == want
         return

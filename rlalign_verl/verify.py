@@ -1,0 +1,232 @@
+"""In-run verification: is the aligned trainer closer to the user's rollout engine than the unaligned one?
+
+At a verify step the actor recomputes the same sequences twice — aligned (the run's setting) and with alignment
+switched off — and both are compared with the rollout engine's log-probs of the sampled tokens. The comparison
+is *paired* (same tokens, same micro-batching), per token ``|Δ_unaligned| - |Δ_aligned|``, with a bootstrap over
+sequences (tokens of one response are not independent):
+
+- ``mismatch/verify/aligned`` / ``unaligned``: mean |Δlogp| (nats per token) of each pass against the rollout;
+- ``aligned_exact`` / ``unaligned_exact``: the share of tokens with Δlogp exactly 0;
+- ``paired_diff`` (+ ``_lo``/``_hi``, 95%): mean of ``|Δ_unaligned| - |Δ_aligned|`` (> 0: alignment helps);
+- ``gain`` (+ ``_lo``/``_hi``, 95%): ``unaligned / aligned`` (capped at :data:`GAIN_CAP` when aligned is 0);
+- ``verdict``: +1 better, 0 within noise, -1 worse — decided on the :data:`DECISION_LEVEL` interval of the
+  paired difference, not the 95% one, so that a verdict that stops a run is not a 1-in-40 accident;
+- ``num_seqs`` / ``num_tokens``: the sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import AlignmentError
+
+PREFIX = "mismatch/verify/"
+N_BOOT = 4000
+REPORT_LEVEL = 0.95
+DECISION_LEVEL = 0.999
+"""Two-sided level of the interval a verdict is decided on."""
+GAIN_CAP = 1e6
+"""``gain`` when the aligned gap is exactly 0 and the unaligned one is not."""
+VERDICT_WORDS = {1: "better", 0: "within noise", -1: "WORSE"}
+
+
+class VerifyFailedError(AlignmentError):
+    """Alignment made the trainer measurably farther from the rollout engine than no alignment."""
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """One verify step's comparison (see the module docstring for each field)."""
+
+    aligned: float
+    unaligned: float
+    aligned_exact: float
+    unaligned_exact: float
+    paired_diff: float
+    paired_diff_ci: tuple[float, float]
+    decision_ci: tuple[float, float]
+    gain: float
+    gain_ci: tuple[float, float]
+    verdict: int
+    num_seqs: int
+    num_tokens: int
+
+    def metrics(self) -> dict[str, float]:
+        """The ``mismatch/verify/*`` keys, finite floats."""
+        out = {
+            "aligned": self.aligned,
+            "unaligned": self.unaligned,
+            "aligned_exact": self.aligned_exact,
+            "unaligned_exact": self.unaligned_exact,
+            "paired_diff": self.paired_diff,
+            "paired_diff_lo": self.paired_diff_ci[0],
+            "paired_diff_hi": self.paired_diff_ci[1],
+            "gain": self.gain,
+            "gain_lo": self.gain_ci[0],
+            "gain_hi": self.gain_ci[1],
+            "verdict": float(self.verdict),
+            "num_seqs": float(self.num_seqs),
+            "num_tokens": float(self.num_tokens),
+        }
+        return {PREFIX + k: float(v) for k, v in out.items()}
+
+    def line(self, step: int, profile: str) -> str:
+        """One readable log line."""
+        lo, hi = self.gain_ci
+        what = {
+            1: f"profile {profile} brings the trainer closer to this engine",
+            0: "no difference outside the noise (the engine may already round like the trainer, or these regions "
+            "do not matter for this model)",
+            -1: f"profile {profile} moves the trainer AWAY from this engine",
+        }[self.verdict]
+        return (
+            f"verify step {step}: mean |Δlogp| aligned {self.aligned:.4g} vs unaligned {self.unaligned:.4g} nats/token, "
+            f"gain {_fmt_gain(self.gain)}x [{_fmt_gain(lo)}, {_fmt_gain(hi)}] ({self.num_seqs} seqs, {self.num_tokens} "
+            f"tokens; exact {self.aligned_exact:.1%} vs {self.unaligned_exact:.1%}): {VERDICT_WORDS[self.verdict]} — {what}"
+        )
+
+
+def _fmt_gain(g: float) -> str:
+    return f"{g:.3g}" if g < GAIN_CAP else f">{GAIN_CAP:.0e}"
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` with x/0 -> :data:`GAIN_CAP` (x > 0) or 1 (0/0: both exactly equal to the rollout)."""
+    out = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, GAIN_CAP, 1.0))
+    return out.clamp(max=GAIN_CAP)
+
+
+def compare(
+    aligned: torch.Tensor,
+    unaligned: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    seed: int = 0,
+    n_boot: int = N_BOOT,
+) -> VerifyResult:
+    """Paired comparison of two ``[B, T]`` trainer log-prob passes with the rollout's, over ``mask`` tokens.
+
+    Tokens where any of the three is not finite are left out. Raises ``ValueError`` when no valid token is left.
+    """
+    shapes = {tuple(t.shape) for t in (aligned, unaligned, rollout, mask)}
+    if len(shapes) != 1 or aligned.ndim != 2:
+        raise ValueError(
+            f"verify needs four tensors of one [batch, response_len] shape, got {sorted(shapes)}"
+        )
+    a, u, r = (t.detach().to("cpu", torch.float64) for t in (aligned, unaligned, rollout))
+    valid = (mask.detach().to("cpu") > 0) & torch.isfinite(a) & torch.isfinite(u) & torch.isfinite(r)
+    d_a = torch.where(valid, (a - r).abs(), 0.0)
+    d_u = torch.where(valid, (u - r).abs(), 0.0)
+    counts = valid.sum(1).double()
+    keep = counts > 0
+    if not bool(keep.any()):
+        raise ValueError("verify: no valid response token (mask empty or every log-prob non-finite)")
+    s_a, s_u, n = d_a.sum(1)[keep], d_u.sum(1)[keep], counts[keep]
+    tokens = n.sum()
+    exact_a = ((d_a == 0) & valid).sum() / tokens
+    exact_u = ((d_u == 0) & valid).sum() / tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n.numel(), (n_boot, n.numel()), generator=gen)
+    nb = n[idx].sum(1)
+    diff_b = (s_u[idx].sum(1) - s_a[idx].sum(1)) / nb
+    gain_b = _ratio(s_u[idx].sum(1), s_a[idx].sum(1))
+
+    def interval(x: torch.Tensor, level: float) -> tuple[float, float]:
+        q = torch.quantile(x, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+        return float(q[0]), float(q[1])
+
+    diff = float((s_u.sum() - s_a.sum()) / tokens)
+    decision = interval(diff_b, DECISION_LEVEL)
+    verdict = 1 if decision[0] > 0 else (-1 if decision[1] < 0 else 0)
+    return VerifyResult(
+        aligned=float(s_a.sum() / tokens),
+        unaligned=float(s_u.sum() / tokens),
+        aligned_exact=float(exact_a),
+        unaligned_exact=float(exact_u),
+        paired_diff=diff,
+        paired_diff_ci=interval(diff_b, REPORT_LEVEL),
+        decision_ci=decision,
+        gain=float(_ratio(s_u.sum(), s_a.sum())),
+        gain_ci=interval(gain_b, REPORT_LEVEL),
+        verdict=verdict,
+        num_seqs=int(n.numel()),
+        num_tokens=int(tokens),
+    )
+
+
+def ladder_metrics(
+    passes: dict[str, torch.Tensor], rollout: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """``mismatch/verify/ladder/<rung>``: mean |Δlogp| of each rung's pass (same sequences) against the rollout."""
+    valid = (mask > 0) & torch.isfinite(rollout)
+    out = {}
+    for rung, lp in passes.items():
+        ok = valid & torch.isfinite(lp)
+        total = ok.sum()
+        if total > 0:
+            gap = ((lp.double() - rollout.double()).abs() * ok).sum() / total
+            out[f"{PREFIX}ladder/{rung}"] = float(gap)
+    return out
+
+
+# --- when to verify, and what a verdict does -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which steps verify: step 1, then every ``every`` steps (``every=0``: step 1 only); none when ``off``."""
+
+    first: bool
+    every: int
+
+    def due(self, step: int) -> bool:
+        if not self.first:
+            return False
+        return step == 1 or (self.every > 0 and step > 1 and (step - 1) % self.every == 0)
+
+
+def schedule(spec, unverified_engine: bool) -> Schedule:
+    """The verify steps for ``spec`` (an AlignmentSpec): none without regions; step 1 at least on an unverified
+    engine unless ``verify.skip_unverified_engine``; step 1 and every ``verify.every`` when ``verify.enable``."""
+    v = spec.verify
+    if not spec.regions:
+        return Schedule(False, 0)
+    if v.enable:
+        return Schedule(True, v.every)
+    forced = unverified_engine and not v.skip_unverified_engine
+    return Schedule(forced, 0)
+
+
+def act_on(result: VerifyResult, *, first: bool, spec, fingerprint: str) -> str | None:
+    """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine)."""
+    if result.verdict >= 0:
+        return None
+    policy = spec.verify.on_worse if first else spec.verify.on_worse_later
+    lo, hi = result.gain_ci
+    message = (
+        f"alignment makes the trainer farther from the rollout engine: profile {spec.engine} on {fingerprint}, "
+        f"mean |Δlogp| aligned {result.aligned:.4g} vs unaligned {result.unaligned:.4g} (gain {result.gain:.3g}x "
+        f"[{lo:.3g}, {hi:.3g}]); use another alignment.engine (rlalign-verl profiles), fewer alignment.regions, "
+        f"or alignment.verify.{'on_worse' if first else 'on_worse_later'}=warn to continue"
+    )
+    if policy == "stop":
+        raise VerifyFailedError(message)
+    return message
+
+
+def within_noise_line(result: VerifyResult) -> str:
+    return (
+        f"verify: aligned and unaligned are within noise of each other ({result.num_seqs} seqs; paired difference "
+        f"{result.paired_diff:.3g} [{result.paired_diff_ci[0]:.3g}, {result.paired_diff_ci[1]:.3g}] nats/token): the "
+        f"engine may already round like the trainer, or these regions do not matter for this model"
+    )
+
+
+def finite(metrics: dict[str, float]) -> dict[str, float]:
+    """Only the finite entries (a metrics problem must never reach a tracking backend as NaN)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and math.isfinite(v)}

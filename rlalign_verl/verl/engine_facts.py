@@ -1,0 +1,74 @@
+"""The rollout engine a verl run really uses, read from its config and environment (:class:`EngineFingerprint`).
+
+Shared by the driver (one start-up line when the profile was never verified on this engine) and the trainer
+process (which then verifies at step 1 even with ``alignment.verify.enable=false``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..fingerprint import EngineFingerprint, fingerprint_for, unverified_line
+from ..spec import AlignmentSpec
+from .cfg import select as _select
+from .log import logger
+
+VLLM_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+
+
+def workers_device(config: Any) -> str:
+    """Where the actor and the rollout run: ``cpu`` with the CPU adaptations, else verl's ``trainer.device``."""
+    from .cpu import enabled
+
+    if enabled():
+        return "cpu"
+    device = str(_select(config, "trainer.device") or "cuda").strip().lower()
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def run_fingerprint(config: Any, spec: AlignmentSpec) -> tuple[EngineFingerprint, Any]:
+    """``(fingerprint, profile)``: the run's engine and the profile its workers align to (``auto`` placed on the
+    workers' device, as each worker does)."""
+    from ..placement import profile_for_device
+    from .head_dtype import engine_head_dtype
+
+    profile = profile_for_device(spec.engine, workers_device(config), auto=spec.engine_auto)
+    head, _ = engine_head_dtype(config) if _select(config, "actor_rollout_ref") is not None else (None, "")
+    backend = _select(config, f"{VLLM_KWARGS}.attention_backend") or os.environ.get("VLLM_ATTENTION_BACKEND")
+    fp = fingerprint_for(
+        profile,
+        spec.rollout or str(_select(config, "actor_rollout_ref.rollout.name") or ""),
+        attention_backend=None if backend is None else str(backend),
+        head_dtype=head or "model",
+        model_impl=None
+        if _select(config, f"{VLLM_KWARGS}.model_impl") is None
+        else str(_select(config, f"{VLLM_KWARGS}.model_impl")),
+    )
+    return fp, profile
+
+
+def say_unverified_engine(config: Any, spec: AlignmentSpec) -> bool:
+    """Log one line when the run's profile was never verified on its engine; returns whether it was not."""
+    try:
+        fp, profile = run_fingerprint(config, spec)
+    except Exception as err:  # a fact we cannot read is not a reason to stop the run here
+        logger.warning(
+            "could not read the rollout engine's fingerprint (%s): the run verifies at step 1", err
+        )
+        return True
+    line = unverified_line(profile, fp)
+    if line is None:
+        return False
+    if spec.verify.enable:
+        logger.warning("%s", line)
+    elif spec.verify.skip_unverified_engine:
+        logger.warning(
+            "%s; SKIPPED at your request (alignment.verify.skip_unverified_engine=true): nothing in this run checks "
+            "that alignment brings the trainer closer to the engine",
+            line.split(": the run checks", 1)[0],
+        )
+    else:
+        logger.warning("%s (forced although alignment.verify.enable=false; opt out: "
+                       "alignment.verify.skip_unverified_engine=true)", line)  # fmt: skip
+    return True

@@ -1,0 +1,42 @@
+"""The trainer run whose ``fit`` is executing in this context: its config, request and verification state.
+
+Set by the wrapped ``fit`` (:mod:`.trainer_callback`) and read by the per-step hooks (mismatch metrics,
+:mod:`.verify_hooks`); ``None`` outside ``fit`` or for a plain verl run without our ``alignment`` group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec import AlignmentSpec
+
+
+@dataclass
+class Run:
+    config: Any
+    spec: AlignmentSpec
+    trainer: Any
+    legacy: bool
+    """The legacy ``RayPPOTrainer`` (DataProto batches) rather than the v1 trainer (TransferQueue)."""
+    verify: Any = None
+    """The :class:`~rlalign_verl.verl.verify_run.VerifyRun`, or ``None`` when nothing is verified."""
+
+
+_ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("rlalign_verl_run", default=None)
+
+
+def active() -> Run | None:
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def running(run: Run) -> Iterator[Run]:
+    token = _ACTIVE.set(run)
+    try:
+        yield run
+    finally:
+        _ACTIVE.reset(token)

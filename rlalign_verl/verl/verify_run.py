@@ -1,0 +1,250 @@
+"""Driver side of in-run verification in verl's trainers (runs in the TaskRunner process, inside ``fit``).
+
+At a due step (:func:`rlalign_verl.verify.schedule`) and before the actor update, the trainer asks the actor
+worker group for the log-probs of up to ``verify.max_seqs`` sequences of the step's batch a second time, with
+alignment switched off (:mod:`.verify_worker`), and compares both with the rollout's log-probs
+(:func:`rlalign_verl.verify.compare`). Where the batch is larger than ``max_seqs`` both passes run on the same
+subsample, so the pair shares its micro-batching; otherwise the step's own ``old_log_probs`` are the aligned pass.
+In rollout-correction bypass mode (no recompute) both passes run here.
+
+- v1 trainer: ``PPOTrainer._compute_old_log_prob`` (TransferQueue: the passes read ``log_probs`` back by key);
+- legacy trainer: from the ``calculate_debug_metrics`` hook (the batch then holds ``old_log_probs``), and in
+  bypass mode from ``rollout_corr_helper.apply_bypass_mode``; the legacy metrics reach the step through the
+  ``compute_data_metrics`` hook.
+
+A failure here warns and skips the check (a metrics problem never stops training); a separated "worse" verdict
+under ``on_worse=stop`` stops the run before the update with one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..fingerprint import EngineFingerprint, unverified_line
+from ..spec import AlignmentSpec
+from ..verify import (
+    Schedule,
+    VerifyFailedError,
+    VerifyResult,
+    act_on,
+    compare,
+    finite,
+    ladder_metrics,
+    schedule,
+    within_noise_line,
+)
+from .log import logger
+from .verify_worker import VERIFY_KEY
+
+LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm")
+"""Rungs of ``verify.ladder`` besides the run's own setting (``all`` = the aligned pass itself)."""
+
+
+@dataclass
+class VerifyRun:
+    """One ``fit``'s verification state."""
+
+    spec: AlignmentSpec
+    profile: str
+    fingerprint: EngineFingerprint
+    sched: Schedule
+    first_done: bool = False
+    said_noise: bool = False
+    done: set[int] = field(default_factory=set)
+    pending: dict[int, dict[str, float]] = field(default_factory=dict)
+    warned: bool = False
+
+    @classmethod
+    def start(cls, config: Any, spec: AlignmentSpec | None) -> VerifyRun | None:
+        """The run's verification plan (``None``: nothing to verify); says once when it is forced or skipped."""
+        if spec is None or not spec.regions:
+            return None
+        from ..fingerprint import EngineFingerprint
+        from .engine_facts import run_fingerprint
+
+        try:
+            fp, profile = run_fingerprint(config, spec)
+            name, unverified = profile.name, unverified_line(profile, fp) is not None
+        except Exception as err:  # an unreadable fact: treat the engine as unverified (verify at step 1)
+            logger.warning("cannot read the rollout engine's fingerprint (%s): verifying at step 1", err)
+            fp = EngineFingerprint(spec.rollout or "unknown", None, "unknown", "unknown")
+            name, unverified = str(getattr(spec.engine, "name", spec.engine)), True
+        sched = schedule(spec, unverified)
+        if not sched.first:
+            return None
+        when = "step 1" + (f" and every {sched.every} steps" if sched.every else "")
+        logger.info("in-run verification on %s: %s, up to %d sequences per check", fp.describe(), when,
+                    spec.verify.max_seqs)  # fmt: skip
+        return cls(spec, name, fp, sched)
+
+    def due(self, step: int) -> bool:
+        return self.sched.due(step) and step not in self.done
+
+    def warn_skipped(self, err: BaseException) -> None:
+        if not self.warned:
+            self.warned = True
+        logger.warning("in-run verification skipped for this step: %s: %s", type(err).__name__, err)
+
+    def record(self, step: int, result: VerifyResult, ladder: dict[str, float]) -> dict[str, float]:
+        """Log the step's line, apply the verdict policy (may raise :class:`VerifyFailedError`), return metrics."""
+        self.done.add(step)
+        first, self.first_done = not self.first_done, True
+        logger.info("%s", result.line(step, self.profile))
+        if result.verdict == 0 and not self.said_noise:
+            self.said_noise = True
+            logger.info("%s", within_noise_line(result))
+        warning = act_on(result, first=first, spec=self.spec.replace(engine=self.profile),
+                         fingerprint=self.fingerprint.describe())  # fmt: skip
+        if warning is not None:
+            logger.warning("%s", warning)
+        return finite({**result.metrics(), **ladder})
+
+
+def _rungs(spec: AlignmentSpec) -> list[str]:
+    return [r for r in LADDER_RUNGS if r == "none" or (r in spec.regions and len(spec.regions) > 1)]
+
+
+# --- the legacy trainer: DataProto batches ---------------------------------------------------------------
+
+
+def _legacy_pass(trainer: Any, batch: Any, rung: str | None) -> torch.Tensor:
+    """``old_log_probs`` of ``batch`` from the trainer's own recompute path, with a verify rung (``None``: aligned)."""
+    from verl import DataProto
+
+    meta = dict(batch.meta_info)
+    if rung is not None:
+        meta[VERIFY_KEY] = rung
+    sub = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info=meta)
+    out = trainer._compute_old_log_prob(sub)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.batch["old_log_probs"].float()
+
+
+def _subsample(n: int, cap: int, multiple: int) -> int:
+    """How many sequences to recompute: all when ``n <= cap``, else ``cap`` rounded down to a multiple."""
+    if n <= cap:
+        return n
+    return max(multiple, (cap // multiple) * multiple)
+
+
+def legacy_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
+    """Both passes on a legacy-trainer batch (``old_log_probs`` present unless ``bypass``); the metrics."""
+    step = int(getattr(trainer, "global_steps", 0))
+    dp = _legacy_dp(trainer)
+    k = _subsample(len(batch), run.spec.verify.max_seqs, dp)
+    sub = batch if k == len(batch) else batch[:k]
+    rollout = sub.batch["rollout_log_probs"].float()
+    mask = sub.batch["response_mask"]
+    aligned = (
+        sub.batch["old_log_probs"].float()
+        if not bypass and k == len(batch)
+        else _legacy_pass(trainer, sub, None)
+    )
+    unaligned = _legacy_pass(trainer, sub, "none")
+    ladder = {}
+    if run.spec.verify.ladder and not run.first_done:
+        passes = {"all": aligned, "none": unaligned}
+        for rung in _rungs(run.spec)[1:]:
+            passes[rung] = _legacy_pass(trainer, sub, rung)
+        ladder = ladder_metrics(passes, rollout, mask)
+    result = compare(aligned, unaligned, rollout, mask, seed=step)
+    return run.record(step, result, ladder)
+
+
+def _legacy_dp(trainer: Any) -> int:
+    try:
+        return int(trainer._get_dp_size(trainer.actor_rollout_wg, "actor"))
+    except Exception:
+        return 1
+
+
+# --- the v1 trainer: TransferQueue batches ----------------------------------------------------------------
+
+
+def _v1_dp(trainer: Any) -> int:
+    try:
+        wg = trainer.actor_rollout_wg
+        mapping = wg._dispatch_info.get("actor") or wg._query_dispatch_info("actor")
+        return max(mapping) + 1
+    except Exception:
+        return 1
+
+
+def _v1_pass(trainer: Any, sub: Any, rung: str | None) -> None:
+    from transfer_queue import KVBatchMeta
+
+    extra = {**(sub.extra_info or {}), "calculate_entropy": False, "compute_loss": False}
+    extra["temperature"] = trainer.config.actor_rollout_ref.rollout.temperature
+    if rung is not None:
+        extra[VERIFY_KEY] = rung
+    meta = KVBatchMeta(
+        keys=list(sub.keys), tags=list(sub.tags), partition_id=sub.partition_id, extra_info=extra
+    )
+    trainer.actor_rollout_wg.compute_log_prob(meta)
+
+
+def _v1_read(sub: Any, fields: list[str]) -> Any:
+    import transfer_queue as tq
+
+    return tq.kv_batch_get(keys=list(sub.keys), partition_id=sub.partition_id, select_fields=fields)
+
+
+def _v1_log_probs(trainer: Any, sub: Any, rung: str | None) -> Any:
+    """The response-level (nested) log-probs of one pass over ``sub``."""
+    from verl.workers.utils.padding import response_from_nested
+
+    _v1_pass(trainer, sub, rung)
+    data = _v1_read(sub, ["log_probs", "response_mask"])
+    return response_from_nested(data["log_probs"], data["response_mask"])
+
+
+def v1_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
+    """Both passes on a v1-trainer batch (TransferQueue keys); the metrics."""
+    from tensordict import TensorDict
+
+    step = int(getattr(trainer, "global_steps", 0))
+    real = [i for i, tag in enumerate(batch.tags) if not (tag or {}).get("is_padding", False)]
+    k = _subsample(len(batch), run.spec.verify.max_seqs, _v1_dp(trainer))
+    whole = k == len(batch)
+    if whole:
+        sub = batch
+    else:
+        keep = (real + [i for i in range(len(batch)) if i not in set(real)])[:k]
+        sub = batch.select_keys([batch.keys[i] for i in keep])
+    base = _v1_read(
+        sub, ["rollout_log_probs", "response_mask"] + ([] if bypass or not whole else ["old_log_probs"])
+    )
+    fields = {"rollout": base["rollout_log_probs"], "mask": base["response_mask"]}
+    fields["aligned"] = base["old_log_probs"] if whole and not bypass else _v1_log_probs(trainer, sub, None)
+    fields["unaligned"] = _v1_log_probs(trainer, sub, "none")
+    rungs = _rungs(run.spec)[1:] if run.spec.verify.ladder and not run.first_done else []
+    for rung in rungs:
+        fields[f"rung_{rung}"] = _v1_log_probs(trainer, sub, rung)
+    padded = TensorDict(fields, batch_size=len(sub)).to_padded_tensor()
+    padding = [i for i, tag in enumerate(sub.tags) if (tag or {}).get("is_padding", False)]
+    mask = padded["mask"].clone()
+    mask[padding] = 0
+    rollout = padded["rollout"].float()
+    ladder = {}
+    if rungs or (run.spec.verify.ladder and not run.first_done):
+        passes = {"all": padded["aligned"].float(), "none": padded["unaligned"].float()}
+        passes.update({r: padded[f"rung_{r}"].float() for r in rungs})
+        ladder = ladder_metrics(passes, rollout, mask)
+    result = compare(padded["aligned"].float(), padded["unaligned"].float(), rollout, mask, seed=step)
+    return run.record(step, result, ladder)
+
+
+def guarded(run: VerifyRun, fn: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+    """``fn(...)``; a verdict that stops the run propagates, any other failure warns and gives ``{}``."""
+    try:
+        out = fn(*args, **kwargs)
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+    except VerifyFailedError:
+        raise
+    except Exception as err:  # never stop training for a metric
+        run.warn_skipped(err)
+        return {}
