@@ -8,10 +8,14 @@ An alignment error is one ``[rlalign-verl] ERROR <Type>: <fix>`` line on stderr 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import hydra
+import verl  # noqa: F401 - as in verl's own entry point: loads verl's plugins and VERL_USE_EXTERNAL_MODULES first
 
+from .errors import AlignmentError
 from .verl.checks import check_override_spellings
 from .verl.config import validate_config
 from .verl.one_line import one_line_errors
@@ -29,7 +33,21 @@ def main(config: Any) -> None:
     from verl.trainer import main_ppo as verl_main_ppo
 
     # verl's hydra-decorated main; __wrapped__ is its plain body (functools.wraps in hydra.main).
-    verl_main_ppo.main.__wrapped__(config)
+    with one_line_errors(), alignment_error_from_ray():
+        verl_main_ppo.main.__wrapped__(config)
+
+
+@contextlib.contextmanager
+def alignment_error_from_ray() -> Iterator[None]:
+    """An alignment error raised inside verl's TaskRunner (e.g. in-run verification stopping the run) reaches
+    the driver wrapped in Ray's ``RayTaskError``: unwrap it, so it ends the run as one line too."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised unless it wraps one of ours
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, AlignmentError):
+            raise cause from None
+        raise
 
 
 if __name__ == "__main__":

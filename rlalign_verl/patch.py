@@ -292,11 +292,13 @@ def aligned(
 
 
 @contextlib.contextmanager
-def alignment_variant(model: nn.Module, regions: Iterable[str] = ()) -> Iterator[nn.Module]:
-    """Run ``model`` with only ``regions`` aligned (``()``: unaligned) inside the block, then put back exactly
-    the forwards it had (the same objects: bit-identical outputs after). For in-run verification passes; a
-    model that is not aligned is left as it is.
+def alignment_variant(model: nn.Module, regions: Iterable[str] | str = ()) -> Iterator[nn.Module]:
+    """Run ``model`` with only ``regions`` aligned (``()`` or ``"none"``: unaligned; a comma list works too)
+    inside the block, then put back exactly the forwards it had (the same objects: bit-identical outputs after).
+    For in-run verification passes; a model that is not aligned is left as it is.
     """
+    if isinstance(regions, str):
+        regions = () if regions.strip().lower() in ("", "none") else regions.split(",")
     st = _state(model)
     if st is None:
         yield model

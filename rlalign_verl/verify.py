@@ -174,57 +174,13 @@ def ladder_metrics(
     return out
 
 
-# --- when to verify, and what a verdict does -------------------------------------------------------------
+LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm")
+"""Rungs of ``verify.ladder`` besides the run's own setting (``all`` = the aligned pass itself)."""
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Which steps verify: step 1, then every ``every`` steps (``every=0``: step 1 only); none when ``off``."""
-
-    first: bool
-    every: int
-
-    def due(self, step: int) -> bool:
-        if not self.first:
-            return False
-        return step == 1 or (self.every > 0 and step > 1 and (step - 1) % self.every == 0)
-
-
-def schedule(spec, unverified_engine: bool) -> Schedule:
-    """The verify steps for ``spec`` (an AlignmentSpec): none without regions; step 1 at least on an unverified
-    engine unless ``verify.skip_unverified_engine``; step 1 and every ``verify.every`` when ``verify.enable``."""
-    v = spec.verify
-    if not spec.regions:
-        return Schedule(False, 0)
-    if v.enable:
-        return Schedule(True, v.every)
-    forced = unverified_engine and not v.skip_unverified_engine
-    return Schedule(forced, 0)
-
-
-def act_on(result: VerifyResult, *, first: bool, spec, fingerprint: str) -> str | None:
-    """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine)."""
-    if result.verdict >= 0:
-        return None
-    policy = spec.verify.on_worse if first else spec.verify.on_worse_later
-    lo, hi = result.gain_ci
-    message = (
-        f"alignment makes the trainer farther from the rollout engine: profile {spec.engine} on {fingerprint}, "
-        f"mean |Δlogp| aligned {result.aligned:.4g} vs unaligned {result.unaligned:.4g} (gain {result.gain:.3g}x "
-        f"[{lo:.3g}, {hi:.3g}]); use another alignment.engine (rlalign-verl profiles), fewer alignment.regions, "
-        f"or alignment.verify.{'on_worse' if first else 'on_worse_later'}=warn to continue"
-    )
-    if policy == "stop":
-        raise VerifyFailedError(message)
-    return message
-
-
-def within_noise_line(result: VerifyResult) -> str:
-    return (
-        f"verify: aligned and unaligned are within noise of each other ({result.num_seqs} seqs; paired difference "
-        f"{result.paired_diff:.3g} [{result.paired_diff_ci[0]:.3g}, {result.paired_diff_ci[1]:.3g}] nats/token): the "
-        f"engine may already round like the trainer, or these regions do not matter for this model"
-    )
+def ladder_rungs(spec) -> list[str]:
+    """The rungs to recompute for ``spec``: none, and each aligned region alone when more than one is aligned."""
+    return [r for r in LADDER_RUNGS if r == "none" or (r in spec.regions and len(spec.regions) > 1)]
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -24,7 +24,7 @@ import torch
 from ..metrics import compute_mismatch_metrics
 
 
-def _pad_cat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def pad_cat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Right-pad ``(B_i, A_i)`` tensors with zeros to one width and concatenate them along dim 0."""
     width = max(t.shape[1] for t in tensors)
     rows = [torch.nn.functional.pad(t.detach().to("cpu", dtype), (0, width - t.shape[1])) for t in tensors]
@@ -59,9 +59,9 @@ def step_mismatch_metrics(
                 f"{tuple(e.action_log_probs.shape)}, rollout_log_probs {tuple(e.rollout_log_probs.shape)}, "
                 f"action_mask {tuple(e.action_mask.shape)}"
             )
-    train = _pad_cat([e.action_log_probs for e in usable], torch.float32)
-    rollout = _pad_cat([e.rollout_log_probs for e in usable], torch.float32)
-    mask = _pad_cat([e.action_mask for e in usable], torch.float32)
+    train = pad_cat([e.action_log_probs for e in usable], torch.float32)
+    rollout = pad_cat([e.rollout_log_probs for e in usable], torch.float32)
+    mask = pad_cat([e.action_mask for e in usable], torch.float32)
     return compute_mismatch_metrics(
         train, rollout, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
     )

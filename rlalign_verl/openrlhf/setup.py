@@ -61,12 +61,13 @@ def install(settings: Settings | None = None) -> Settings | None:
     returns ``None``. Import-light: each patch is applied when its OpenRLHF module is imported (at
     once if it already is), so a worker that never loads OpenRLHF's models pays nothing.
     """
-    global _active
+    global _active, _verifier, _steps
     if settings is None:
         settings = Settings.from_env()
     if settings is None:
         return None
     _active = settings
+    _verifier, _steps = None, 0  # a new run's verification starts over
     if settings.regions:
         when_imported("openrlhf.models.actor", _patch_actor)
     if settings.metrics:
@@ -154,7 +155,10 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
 
 
 def _patch_actor(module: ModuleType) -> None:
+    from .verify import wrap_actor_forward
+
     wrap_once(module.Actor, "__init__", _aligning_init)
+    wrap_once(module.Actor, "forward", wrap_actor_forward)  # verify passes: alignment switched off on request
 
 
 def _aligning_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -217,6 +221,36 @@ def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
         return None
 
 
+_verifier: Any = None
+_steps = 0
+
+
+def add_verify_metrics(maker: Any, experiences: list) -> dict[str, float]:
+    """At a verify step, both passes and their ``mismatch/verify/*`` on the experiences (``{}`` otherwise).
+
+    A failure warns and skips the check; a separated "worse" under ``on_worse=stop`` stops the run (raises).
+    """
+    global _verifier, _steps
+    from ..verify import VerifyFailedError
+    from .experience_metrics import attach_metrics
+    from .verify import start, verify_step
+
+    _steps += 1
+    try:
+        if _verifier is None:
+            _verifier = start(_active) or False
+        if not _verifier or not _verifier.due(_steps):
+            return {}
+        metrics = verify_step(_verifier, maker, experiences, _steps)
+        attach_metrics(experiences, metrics)
+        return metrics
+    except VerifyFailedError:
+        raise
+    except Exception as exc:  # never stop training for a metric
+        warn_once(f"in-run verification skipped ({type(exc).__name__}: {exc})")
+        return {}
+
+
 def _patch_experience_maker(module: ModuleType) -> None:
     wrap_once(module.RemoteExperienceMaker, "make_experience_batch", _with_step_metrics)
 
@@ -228,6 +262,8 @@ def _with_step_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
         experiences = original(self, *args, **kwargs)
         if _active is not None and _active.metrics:
             add_step_metrics(experiences, getattr(self, "args", None) or self.strategy.args)
+        if _active is not None and _active.regions:
+            add_verify_metrics(self, experiences)
         return experiences
 
     return make_experience_batch

@@ -23,7 +23,7 @@ class Run:
     legacy: bool
     """The legacy ``RayPPOTrainer`` (DataProto batches) rather than the v1 trainer (TransferQueue)."""
     verify: Any = None
-    """The :class:`~rlalign_verl.verl.verify_run.VerifyRun`, or ``None`` when nothing is verified."""
+    """The :class:`~rlalign_verl.verify_policy.Verifier`, or ``None`` when nothing is verified."""
 
 
 _ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("rlalign_verl_run", default=None)

@@ -214,9 +214,9 @@ def _start_run(trainer: Any, legacy: bool) -> Run | None:
         )
         run = Run(config, spec, trainer, legacy)
         try:
-            from .verify_run import VerifyRun
+            from .verify_run import start_verify
 
-            run.verify = VerifyRun.start(config, spec)
+            run.verify = start_verify(config, spec)
         except Exception as exc:  # never stop training for a check
             logger.warning("in-run verification off for this run: %s: %s", type(exc).__name__, exc)
         if not spec.metrics and run.verify is None:

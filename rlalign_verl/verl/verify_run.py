@@ -19,93 +19,32 @@ under ``on_worse=stop`` stops the run before the update with one line naming the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..fingerprint import EngineFingerprint, unverified_line
 from ..spec import AlignmentSpec
-from ..verify import (
-    Schedule,
-    VerifyFailedError,
-    VerifyResult,
-    act_on,
-    compare,
-    finite,
-    ladder_metrics,
-    schedule,
-    within_noise_line,
-)
+from ..verify import VerifyFailedError, compare, ladder_metrics, ladder_rungs
+from ..verify_policy import Verifier
 from .log import logger
 from .verify_worker import VERIFY_KEY
 
-LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm")
-"""Rungs of ``verify.ladder`` besides the run's own setting (``all`` = the aligned pass itself)."""
 
+def start_verify(config: Any, spec: AlignmentSpec | None) -> Verifier | None:
+    """The run's verification plan (``None``: nothing to verify); says once when it is forced or skipped."""
+    if spec is None or not spec.regions:
+        return None
+    from .engine_facts import run_fingerprint
 
-@dataclass
-class VerifyRun:
-    """One ``fit``'s verification state."""
-
-    spec: AlignmentSpec
-    profile: str
-    fingerprint: EngineFingerprint
-    sched: Schedule
-    first_done: bool = False
-    said_noise: bool = False
-    done: set[int] = field(default_factory=set)
-    pending: dict[int, dict[str, float]] = field(default_factory=dict)
-    warned: bool = False
-
-    @classmethod
-    def start(cls, config: Any, spec: AlignmentSpec | None) -> VerifyRun | None:
-        """The run's verification plan (``None``: nothing to verify); says once when it is forced or skipped."""
-        if spec is None or not spec.regions:
-            return None
-        from ..fingerprint import EngineFingerprint
-        from .engine_facts import run_fingerprint
-
-        try:
-            fp, profile = run_fingerprint(config, spec)
-            name, unverified = profile.name, unverified_line(profile, fp) is not None
-        except Exception as err:  # an unreadable fact: treat the engine as unverified (verify at step 1)
-            logger.warning("cannot read the rollout engine's fingerprint (%s): verifying at step 1", err)
-            fp = EngineFingerprint(spec.rollout or "unknown", None, "unknown", "unknown")
-            name, unverified = str(getattr(spec.engine, "name", spec.engine)), True
-        sched = schedule(spec, unverified)
-        if not sched.first:
-            return None
-        when = "step 1" + (f" and every {sched.every} steps" if sched.every else "")
-        logger.info("in-run verification on %s: %s, up to %d sequences per check", fp.describe(), when,
-                    spec.verify.max_seqs)  # fmt: skip
-        return cls(spec, name, fp, sched)
-
-    def due(self, step: int) -> bool:
-        return self.sched.due(step) and step not in self.done
-
-    def warn_skipped(self, err: BaseException) -> None:
-        if not self.warned:
-            self.warned = True
-        logger.warning("in-run verification skipped for this step: %s: %s", type(err).__name__, err)
-
-    def record(self, step: int, result: VerifyResult, ladder: dict[str, float]) -> dict[str, float]:
-        """Log the step's line, apply the verdict policy (may raise :class:`VerifyFailedError`), return metrics."""
-        self.done.add(step)
-        first, self.first_done = not self.first_done, True
-        logger.info("%s", result.line(step, self.profile))
-        if result.verdict == 0 and not self.said_noise:
-            self.said_noise = True
-            logger.info("%s", within_noise_line(result))
-        warning = act_on(result, first=first, spec=self.spec.replace(engine=self.profile),
-                         fingerprint=self.fingerprint.describe())  # fmt: skip
-        if warning is not None:
-            logger.warning("%s", warning)
-        return finite({**result.metrics(), **ladder})
-
-
-def _rungs(spec: AlignmentSpec) -> list[str]:
-    return [r for r in LADDER_RUNGS if r == "none" or (r in spec.regions and len(spec.regions) > 1)]
+    try:
+        fp, profile = run_fingerprint(config, spec)
+        name, unverified = profile.name, unverified_line(profile, fp) is not None
+    except Exception as err:  # an unreadable fact: treat the engine as unverified (verify at step 1)
+        logger.warning("cannot read the rollout engine's fingerprint (%s): verifying at step 1", err)
+        fp = EngineFingerprint(spec.rollout or "unknown", None, "unknown", "unknown")
+        name, unverified = str(getattr(spec.engine, "name", spec.engine)), True
+    return Verifier.start(spec, name, fp, unverified, logger)
 
 
 # --- the legacy trainer: DataProto batches ---------------------------------------------------------------
@@ -131,7 +70,7 @@ def _subsample(n: int, cap: int, multiple: int) -> int:
     return max(multiple, (cap // multiple) * multiple)
 
 
-def legacy_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
+def legacy_verify(run: Verifier, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
     """Both passes on a legacy-trainer batch (``old_log_probs`` present unless ``bypass``); the metrics."""
     step = int(getattr(trainer, "global_steps", 0))
     dp = _legacy_dp(trainer)
@@ -148,7 +87,7 @@ def legacy_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> 
     ladder = {}
     if run.spec.verify.ladder and not run.first_done:
         passes = {"all": aligned, "none": unaligned}
-        for rung in _rungs(run.spec)[1:]:
+        for rung in ladder_rungs(run.spec)[1:]:
             passes[rung] = _legacy_pass(trainer, sub, rung)
         ladder = ladder_metrics(passes, rollout, mask)
     result = compare(aligned, unaligned, rollout, mask, seed=step)
@@ -202,7 +141,7 @@ def _v1_log_probs(trainer: Any, sub: Any, rung: str | None) -> Any:
     return response_from_nested(data["log_probs"], data["response_mask"])
 
 
-def v1_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
+def v1_verify(run: Verifier, trainer: Any, batch: Any, *, bypass: bool) -> dict[str, float]:
     """Both passes on a v1-trainer batch (TransferQueue keys); the metrics."""
     from tensordict import TensorDict
 
@@ -221,7 +160,7 @@ def v1_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict
     fields = {"rollout": base["rollout_log_probs"], "mask": base["response_mask"]}
     fields["aligned"] = base["old_log_probs"] if whole and not bypass else _v1_log_probs(trainer, sub, None)
     fields["unaligned"] = _v1_log_probs(trainer, sub, "none")
-    rungs = _rungs(run.spec)[1:] if run.spec.verify.ladder and not run.first_done else []
+    rungs = ladder_rungs(run.spec)[1:] if run.spec.verify.ladder and not run.first_done else []
     for rung in rungs:
         fields[f"rung_{rung}"] = _v1_log_probs(trainer, sub, rung)
     padded = TensorDict(fields, batch_size=len(sub)).to_padded_tensor()
@@ -238,7 +177,7 @@ def v1_verify(run: VerifyRun, trainer: Any, batch: Any, *, bypass: bool) -> dict
     return run.record(step, result, ladder)
 
 
-def guarded(run: VerifyRun, fn: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+def guarded(run: Verifier, fn: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
     """``fn(...)``; a verdict that stops the run propagates, any other failure warns and gives ``{}``."""
     try:
         out = fn(*args, **kwargs)

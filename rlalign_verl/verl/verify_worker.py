@@ -22,12 +22,6 @@ VERIFY_KEY = "rlalign_verify"
 """Non-tensor batch entry naming the regions of a verify pass (``"none"``: unaligned)."""
 
 
-def rung_regions(value: Any) -> tuple[str, ...]:
-    """The regions a verify pass keeps aligned (``"none"`` / empty: none)."""
-    text = str(value or "none").strip().lower()
-    return () if text in ("", "none") else tuple(r for r in text.split(",") if r)
-
-
 def _pop_flag(data: Any) -> str | None:
     try:
         from verl.utils import tensordict_utils as tu
@@ -58,7 +52,7 @@ def wrap_training_worker(module: ModuleType) -> None:
             model = getattr(getattr(self, "engine", None), "module", None)
             if model is None:
                 raise RuntimeError("verify pass: this worker's engine has no module to switch")
-            with alignment_variant(model, rung_regions(rung)):
+            with alignment_variant(model, str(rung)):
                 return original(self, data, *args, **kwargs)
 
         return infer_batch

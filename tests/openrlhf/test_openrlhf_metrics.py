@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("openrlhf")
 
 import torch  # noqa: E402
+from rlalign_openrlhf_testkit import plugin_settings  # noqa: E402
 
 from rlalign_verl.openrlhf.settings import Settings  # noqa: E402
 
@@ -141,7 +142,8 @@ def test_experience_path_adds_mismatch_metrics(plugin_ray, openrlhf_args, policy
     maker = RemoteExperienceMaker(
         policy_group, None, None, None, FixedKLController(0.0), get_strategy(openrlhf_args), tokenizer
     )
-    experiences = maker.make_experience_batch([s for s in samples])
+    with plugin_settings(_without_verification(plugin_ray)):  # verification: test_verify_pass_on_real_actors
+        experiences = maker.make_experience_batch([s for s in samples])
     assert len(experiences) == 2  # rollout micro batch size 2
 
     # the training side's log-probs of each response, straight from the worker's aligned Actor
@@ -204,7 +206,7 @@ def test_measure_only_requests_rollout_log_probs(plugin_ray, openrlhf_args):
     import ray
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from openrlhf.utils import get_strategy
-    from rlalign_openrlhf_testkit import EngineDouble, plugin_settings
+    from rlalign_openrlhf_testkit import EngineDouble
 
     assert openrlhf_args.algo.advantage.is_correction_level == "off"
     engine = EngineDouble.remote()
@@ -258,3 +260,40 @@ def test_measure_only_leaves_the_loss_unchanged():
         logp, old, adv, action_mask=mask, rollout_log_probs=rollout
     )
     assert not torch.equal(corrected[0], without[0])  # the comparison above can fail
+
+
+def _without_verification(settings):
+    off = {"enable": False, "skip_unverified_engine": True}
+    return type(settings)(settings.spec.replace(verify=off), settings.collect_rollout_logprobs)
+
+
+def test_verify_pass_on_real_actors(plugin_ray, openrlhf_args, policy_group, rollout, tiny_qwen2, plugin_log):
+    """The verify step's unaligned pass runs in the real model actor with alignment switched off: against this
+    test's "engine" (the unaligned HF model) it matches, so alignment is measurably worse here; on_worse=stop
+    stops the step, on_worse=warn logs mismatch/verify/* on every experience; the actor is aligned afterwards."""
+    import ray
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+    from openrlhf.utils import get_strategy
+    from transformers import AutoTokenizer
+
+    from rlalign_verl.verify import VerifyFailedError
+
+    samples, _ = rollout
+    maker = RemoteExperienceMaker(policy_group, None, None, None, FixedKLController(0.0),
+                                  get_strategy(openrlhf_args), AutoTokenizer.from_pretrained(str(tiny_qwen2)))  # fmt: skip
+    with plugin_settings(plugin_ray), pytest.raises(VerifyFailedError, match="on_worse=warn"):
+        maker.make_experience_batch([s for s in samples])
+    warn = type(plugin_ray)(plugin_ray.spec.replace(verify={"on_worse": "warn", "ladder": True}), True)
+    with plugin_settings(warn):
+        experiences = maker.make_experience_batch([s for s in samples])
+    info = experiences[0].info
+    # unaligned = the "engine" up to the fp32 log-softmax of another code path (1e-7), aligned ~0.1 away
+    assert (
+        info["mismatch/verify/unaligned"][0].item() < 1e-6 < 1e-3 < info["mismatch/verify/aligned"][0].item()
+    )
+    assert info["mismatch/verify/verdict"][0].item() == -1.0
+    assert info["mismatch/verify/ladder/none"][0].item() < 1e-6
+    assert all("mismatch/verify/verdict" in e.info for e in experiences)
+    assert any("verify step 1" in m and "WORSE" in m for m in plugin_log)
+    assert ray.get(policy_group._actor_handlers[0].alignment.remote())[0] == ("rope", "swiglu", "rmsnorm")
