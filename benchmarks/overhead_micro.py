@@ -104,7 +104,7 @@ def _opt_in_cases(p, tokens: int, hidden: int, leaf: Callable, fwd_bwd: Callable
     """attention (vLLM CPU profiles: engine op / fp32 SDPA vs HF's bf16 SDPA) and lm_head (fp32 head vs bf16)."""
     import torch.nn.functional as F
 
-    from rlalign_verl.engine_ops.attention_op import engine_op_available
+    from rlalign_verl.engine_ops.attention_op import engine_attention, engine_op_available
     from rlalign_verl.regions.attention import aligned_attention
     from rlalign_verl.regions.lm_head import Fp32HeadFn
 
@@ -126,11 +126,9 @@ def _opt_in_cases(p, tokens: int, hidden: int, leaf: Callable, fwd_bwd: Callable
     cases["attention"] = {"hf": fwd_bwd(hf, q, k, v)}
     if engine_op_available()[0]:
         cases["attention"]["aligned"] = fwd_bwd(
-            lambda a, b, c: aligned_attention(a, b, c, pos, None), q, k, v
+            lambda a, b, c: aligned_attention(a, b, c, pos, None, engine_attention), q, k, v
         )
-    cases["attention"]["sdpa-fp32"] = fwd_bwd(
-        lambda a, b, c: aligned_attention(a, b, c, pos, None, "sdpa-fp32"), q, k, v
-    )
+    cases["attention"]["sdpa-fp32"] = fwd_bwd(lambda a, b, c: aligned_attention(a, b, c, pos, None), q, k, v)
     return cases
 
 

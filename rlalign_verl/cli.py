@@ -9,7 +9,7 @@ import sys
 # subcommand -> module exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
     "diagnose": "rlalign_verl.diagnose.command",
-    "report": "rlalign_verl.diagnose.report",
+    "report": "rlalign_verl.report.command",
 }
 
 

@@ -156,7 +156,14 @@ def attention_forward(st: AlignmentState, rotary: nn.Module) -> Callable:
     fp32_table = st.rope.table == "fp32"
     # the hf profile keeps HF's own attention (aligning to it changes nothing)
     on = "attention" in st.regions and st.profile.engine != "hf"
-    aligned_attn = attention_interface(st.attention_variant) if on else None
+    aligned_attn = None
+    if on:
+        kernel = None
+        if st.attention_variant == "engine-op":
+            from .engine_ops.attention_op import engine_attention  # the vLLM CPU build's own op
+
+            kernel = engine_attention
+        aligned_attn = attention_interface(kernel)
     qk_norm, _ = norm_fns(st)
     _, rope_fn = region_fns(st)
 

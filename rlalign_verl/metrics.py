@@ -58,7 +58,7 @@ COUNT_NAMES: tuple[str, ...] = ("num_tokens", "num_seqs", "nonfinite_tokens")
 
 _QUANTILES = (0.5, 0.9, 0.99)
 # exp() of a log-ratio beyond this would overflow float64 sums; such tokens are already pathological.
-_MAX_LOG_RATIO = 300.0
+MAX_LOG_RATIO = 300.0
 
 
 def _work_dtype(device: torch.device) -> torch.dtype:
@@ -182,9 +182,9 @@ def compute_mismatch_metrics(
     bound = torch.finfo(dtype).max ** 0.25  # |d| <= bound keeps every sum of d^2 finite
     d = (t - r).nan_to_num(posinf=bound, neginf=-bound).clamp(-bound, bound)
     abs_d = d.abs()
-    ratio = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-    # a (bad) positive log-prob above _MAX_LOG_RATIO would give exp() = inf
-    prob_abs = (t.clamp(max=_MAX_LOG_RATIO).exp() - r.clamp(max=_MAX_LOG_RATIO).exp()).abs()
+    ratio = d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    # a (bad) positive log-prob above MAX_LOG_RATIO would give exp() = inf
+    prob_abs = (t.clamp(max=MAX_LOG_RATIO).exp() - r.clamp(max=MAX_LOG_RATIO).exp()).abs()
     clipped = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
     seq_abs = torch.zeros(valid.shape, dtype=dtype, device=device).masked_scatter_(valid, d).sum(dim=1).abs()
     seq_abs = seq_abs[has_tokens]

@@ -32,3 +32,16 @@ def parse_bool(value: Any, *, name: str = "value") -> bool:
 def option_bool(value: Any, *, name: str, default: bool) -> bool:
     """:func:`parse_bool`, with ``None`` (unset) meaning ``default``."""
     return default if value is None else parse_bool(value, name=name)
+
+
+SPELLINGS = ("hydra", "flag", "python")
+"""How a key is named in messages: ``alignment.verify.every`` / ``--alignment.verify.every`` / ``every=``."""
+
+
+def key_name(dotted: str, spelling: str = "hydra") -> str:
+    """``dotted`` (``verify.every``) as the user writes it on one surface."""
+    if spelling == "flag":
+        return f"--alignment.{dotted}"
+    if spelling == "python":
+        return f"{dotted.rsplit('.', 1)[-1]}="
+    return f"alignment.{dotted}"

@@ -25,11 +25,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigFormatError
-from .options import parse_bool
+from .options import key_name, parse_bool
 from .regions import normalize_regions
-
-SPELLINGS = ("hydra", "flag", "python")
-"""How a key is named in messages: ``alignment.verify.every`` / ``--alignment.verify.every`` / ``every=``."""
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 HEAD_DTYPES: dict[str, str] = {"float32": "float32", "fp32": "float32", "model": "model", "bfloat16": "model",
@@ -42,15 +39,6 @@ ON_WORSE: tuple[str, ...] = ("stop", "warn")
 DEFAULT_VERIFY_EVERY = 50
 """Verify at step 1 and every this many steps (benchmarks/verify_cost.py measures the cost)."""
 DEFAULT_VERIFY_MAX_SEQS = 64
-
-
-def key_name(dotted: str, spelling: str = "hydra") -> str:
-    """``dotted`` (``verify.every``) as the user writes it on one surface."""
-    if spelling == "flag":
-        return f"--alignment.{dotted}"
-    if spelling == "python":
-        return f"{dotted.rsplit('.', 1)[-1]}="
-    return f"alignment.{dotted}"
 
 
 def _fail(dotted: str, value: Any, want: str, spelling: str) -> ConfigFormatError:

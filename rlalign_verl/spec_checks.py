@@ -9,11 +9,14 @@ check runs once the facts it needs are given. Each failure is one line naming th
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AlignmentError, LigerConflictError, ProfileMismatchError, UnsupportedModelError
+from .options import key_name
 from .profiles import PROFILES, EngineProfile, get_profile
-from .spec import AlignmentSpec, key_name
+
+if TYPE_CHECKING:  # annotations only: spec.py calls validate() here
+    from .spec import AlignmentSpec
 
 DENSE_ONLY = "compiled_norm"
 OPT_IN_HINT = (

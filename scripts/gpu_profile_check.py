@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 # the one bit-level comparison helper (pure torch), shared with diagnose and the tests
-from rlalign_verl.diagnose.probe import bit_identical, compare, ulp_distance  # noqa: F401
+from rlalign_verl.diagnose.bits import bit_identical, compare, ulp_distance  # noqa: F401
 
 CUDA_PROFILES = ("vllm-eager", "vllm", "sglang")
 HIDDEN_SIZES = (896, 1536, 2048, 3584, 4096)

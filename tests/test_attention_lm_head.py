@@ -79,7 +79,7 @@ def test_sdpa_fp32_rounds_once() -> None:
     q, k, v = _qkv(200)
     lens, scale = [120, 1, 79], 0.125
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
-    out = A.AttentionFn.apply(q, k, v, ids, scale, "sdpa-fp32")
+    out = A.AttentionFn.apply(q, k, v, ids, scale, None)  # no engine kernel: the sdpa-fp32 variant
     ref = _ref_fp64(q, k, v, lens, scale).to(BF)
     hf_bf16 = torch.cat([  # HF's bf16 SDPA, the path the region replaces
         F.scaled_dot_product_attention(a.transpose(0, 1)[None], b.transpose(0, 1)[None].repeat_interleave(3, 1),
@@ -114,7 +114,7 @@ def test_attention_backward_is_fp32_sdpa(variant: str) -> None:
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(b, h, t, D, generator=g).to(BF).requires_grad_() for h in (HQ, HKV, HKV))
     pos = torch.cat([torch.arange(t)[None], torch.cat([torch.arange(30), torch.arange(40)])[None]])
-    out = A.aligned_attention(q, k, v, pos, None, variant)
+    out = A.aligned_attention(q, k, v, pos, None, E.engine_attention if variant == "engine-op" else None)
     w = torch.randn(out.shape, generator=g)
     (out.float() * w).sum().backward()
     # reference: fp64 autograd, per sequence

@@ -141,7 +141,7 @@ def test_report_error(case, words, tmp_path, capsys):
 
 def test_outputs_replace_a_symlink_instead_of_following_it(tmp_path):
     """An atomic write into --out replaces a symlink planted there; the file it pointed to is untouched."""
-    from rlalign_verl.diagnose.files import write_text
+    from rlalign_verl.files import write_text
 
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")

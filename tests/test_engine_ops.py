@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.probe import ulp_distance
+from rlalign_verl.diagnose.bits import ulp_distance
 from rlalign_verl.profiles import get_profile
 from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
 from rlalign_verl.regions.rope import apply_rope, rope_table

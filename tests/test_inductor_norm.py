@@ -63,7 +63,7 @@ def test_stored_sum_positions() -> None:
 @pytest.mark.parametrize("hidden", [96, 192, 224, 320, 896])
 def test_forward_bit_identical_to_engine_compiled_op(hidden: int) -> None:
     eo = _engine()
-    fused, plain = eo._native("fused_add_rms_norm"), eo._native("rms_norm")
+    fused, plain = eo.native_op("fused_add_rms_norm"), eo.native_op("rms_norm")
     c_add = _engine_compile(lambda h, r, w: fused(h, r, w, EPS)[0], eo)
     c_norm = _engine_compile(lambda x, w: plain(x, w, EPS), eo)
     c_qk = _engine_compile(lambda x, w: plain(x, w, EPS).float(), eo)  # q/k-norm handed on to RoPE
@@ -92,7 +92,7 @@ def test_forward_bit_identical_to_engine_compiled_op(hidden: int) -> None:
 def test_residual_stream_graph_with_a_stored_sum() -> None:
     """A stream of norms in ONE engine graph: embedding, then one layer output added per norm."""
     eo = _engine()
-    fused, plain = eo._native("fused_add_rms_norm"), eo._native("rms_norm")
+    fused, plain = eo.native_op("fused_add_rms_norm"), eo.native_op("rms_norm")
 
     def stream(ids, table, outs, w):
         h = F.embedding(ids, table)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.probe import ulp_distance
+from rlalign_verl.diagnose.bits import ulp_distance
 from rlalign_verl.profiles import HF, get_profile
 from rlalign_verl.regions.moe import mix_experts, route
 

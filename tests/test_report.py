@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl.diagnose import report
+from rlalign_verl.report import command
+from rlalign_verl.report.runs import load_run
 
 Tracking = pytest.importorskip("verl.utils.tracking").Tracking
 pytest.importorskip("tensorboard")
@@ -29,6 +30,9 @@ def step_metrics(step: int, gap: float, with_training: bool = True) -> dict[str,
         "mismatch/seq_log_ratio_abs_mean": 5 * gap,
         "mismatch/num_tokens": 1000,
     }
+    if step % 2 == 1:  # verify steps: 1, 3, 5
+        m.update({"mismatch/verify/aligned": gap, "mismatch/verify/unaligned": 2 * gap, "mismatch/verify/gain": 2.0,
+                  "mismatch/verify/gain_lo": 1.5, "mismatch/verify/gain_hi": 2.5, "mismatch/verify/verdict": 1.0})  # fmt: skip
     if with_training:
         m.update(
             {"critic/score/mean": 0.1 * step, "actor/entropy": 1.0 - 0.05 * step, "actor/grad_norm": 2.0}
@@ -74,9 +78,9 @@ class _Images(HTMLParser):
 
 def call(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="rlalign-verl")
-    report.add_parser(parser.add_subparsers(dest="command"))
+    command.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["report", *argv])
-    return report.run(args)
+    return command.run(args)
 
 
 def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsys):
@@ -94,6 +98,8 @@ def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsy
     names = [
         "overview",
         "logp_gap",
+        "verify_gap",
+        "verify_gain",
         "kl",
         "ratio_extremes",
         "clip_frac",
@@ -124,8 +130,8 @@ def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsy
 
 
 def test_load_run_reads_both_formats(tmp_path, monkeypatch):
-    jsonl = report.load_run(write_file_run(tmp_path / "a.jsonl", monkeypatch, gap=0.02))
-    tb = report.load_run(write_tensorboard_run(tmp_path / "tb", monkeypatch, gap=0.02))
+    jsonl = load_run(write_file_run(tmp_path / "a.jsonl", monkeypatch, gap=0.02))
+    tb = load_run(write_tensorboard_run(tmp_path / "tb", monkeypatch, gap=0.02))
     assert jsonl.kind == "jsonl" and tb.kind == "tensorboard"
     assert jsonl.label == "a" and tb.label == "tb"
     want = [(s, 0.02 * (1 + 0.1 * s)) for s in range(1, 7)]
@@ -147,7 +153,7 @@ def test_resumed_jsonl_keeps_the_last_value_per_step(tmp_path):
         '{"step": 2, "data": {"mismatch/kl_k3": 0.25}}\n'
         '{"step": 2, "data": {"mismatch/kl_k3": 0.125}}\n'
     )
-    assert report.load_run(path).series["mismatch/kl_k3"] == [(1, 0.5), (2, 0.125)]
+    assert load_run(path).series["mismatch/kl_k3"] == [(1, 0.5), (2, 0.125)]
 
 
 @pytest.mark.parametrize(
@@ -187,4 +193,46 @@ def test_bad_input_gives_clear_error(tmp_path, capsys, setup, words):
     rc = call(*runs, "--out", str(tmp_path / "out"), *extra)
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlalign-verl report: error:") and words in err
+    assert err.startswith("[rlalign-verl] ERROR AlignmentError: ") and words in err and err.count("\n") == 1
+
+
+def test_impossible_values_and_truncated_event_files_are_said(tmp_path, monkeypatch, capsys):
+    """Bad data is dropped and named on stderr and on the page, never plotted silently."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"step": 1, "data": {"mismatch/logp_abs_diff_mean": 0.02, "mismatch/ratio_clip_frac": 0.1}}\n'
+        '{"step": 2, "data": {"mismatch/logp_abs_diff_mean": -0.3, "mismatch/ratio_clip_frac": 1.5}}\n'
+        '{"step": 3, "data": {"mismatch/logp_abs_diff_mean": 0.02, "mismatch/verify/verdict": 0.5}}\n'
+    )
+    tb = write_tensorboard_run(tmp_path / "tb", monkeypatch, gap=0.02, steps=6)
+    events = next(tb.rglob("events.out.tfevents*"))
+    events.write_bytes(events.read_bytes()[: events.stat().st_size * 2 // 3])  # a writer killed mid-file
+    out = tmp_path / "out"
+    assert call(str(bad), str(tb), "--out", str(out)) == 0
+    err = capsys.readouterr().err
+    assert "mismatch/logp_abs_diff_mean: dropped step(s) 2 (-0.3: negative, but it cannot be)" in err
+    assert "mismatch/ratio_clip_frac: dropped step(s) 2 (1.5: a fraction outside [0, 1])" in err
+    assert "mismatch/verify/verdict: dropped step(s) 3 (0.5: not a verdict" in err
+    assert "event file truncated" in err and "the steps written after it are missing" in err
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "Data problems" in page and "event file truncated" in page
+    assert load_run(bad).series["mismatch/logp_abs_diff_mean"] == [(1, 0.02), (3, 0.02)]
+    kept = load_run(tb).series["mismatch/logp_abs_diff_mean"]
+    assert 0 < len(kept) < 6  # the readable prefix only
+
+
+def test_tensorboard_layout_groups_the_mismatch_keys(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import metadata
+
+    assert call("--tensorboard-layout", str(tmp_path / "logs")) == 0
+    acc = EventAccumulator(str(tmp_path / "logs"))
+    acc.Reload()
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    assert metadata.CONFIG_SUMMARY_TAG in acc.PluginTagToContent(metadata.PLUGIN_NAME)
+    (event,) = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)  # what TensorBoard's custom-scalars plugin reads
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    tags = {t for c in layout.category for chart in c.chart for t in chart.multiline.tag}
+    assert "^mismatch/logp_abs_diff_mean$" in tags and "^mismatch/verify/gain$" in tags
+    assert [c.title for c in layout.category][0].startswith("mismatch: the gap")

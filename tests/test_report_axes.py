@@ -7,14 +7,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rlalign_verl.diagnose.report import PANELS, Run, _plot_panel  # noqa: E402
+from rlalign_verl.report.page import PANELS, plot_panel  # noqa: E402
+from rlalign_verl.report.runs import Run  # noqa: E402
 
 RATIO = next(p for p in PANELS if p.name == "ratio_extremes")
 
 
 def _draw(run: Run, panel=RATIO):
     fig, ax = plt.subplots()
-    assert _plot_panel(ax, panel, [run], ["C0"])
+    assert plot_panel(ax, panel, [run], ["C0"])
     fig.canvas.draw()
     return fig, ax
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from ..errors import AlignmentError
 from ..families import get_family
+from ..files import check_file_target, prepare_out_dir, write_text
 from . import pipeline
-from .files import check_file_target, prepare_out_dir, write_text
 from .head import sample_head_dtype
 from .ladder import check_settings, run_ladder
 from .options import DEFAULT_SETTINGS, DiagnoseOptions, parse_settings

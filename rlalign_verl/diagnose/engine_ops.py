@@ -22,19 +22,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# what vllm/platforms/cpu.py sets for the default (compiled) CPU path
-CPU_INDUCTOR_OPTIONS = {
-    "dce": True,
-    "size_asserts": False,
-    "nan_asserts": False,
-    "epilogue_fusion": True,
-    "cpp.dynamic_threads": True,
-}
+from .engine_compile import CPU_INDUCTOR_OPTIONS, compiled_fn, native_op
 
 
 def engine_available() -> bool:
@@ -45,17 +37,6 @@ def engine_available() -> bool:
     except Exception:
         return False
     return True
-
-
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, backend="inductor", dynamic=True, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
-
-
-def _native(op_name: str) -> Callable:
-    from vllm import ir
-
-    return getattr(ir.ops, op_name).impls["native"].impl_fn
 
 
 @torch.no_grad()
@@ -69,10 +50,10 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``rms_norm`` / ``fused_add_rms_norm`` (returns ``(out, residual_out)`` with a residual)."""
     if residual is None:
-        fn = _native("rms_norm")
-        return (_compiled(fn) if compiled else fn)(x, weight, eps)
-    fn = _native("fused_add_rms_norm")
-    return (_compiled(fn) if compiled else fn)(x.clone(), residual.clone(), weight, eps)
+        fn = native_op("rms_norm")
+        return (compiled_fn(fn) if compiled else fn)(x, weight, eps)
+    fn = native_op("fused_add_rms_norm")
+    return (compiled_fn(fn) if compiled else fn)(x.clone(), residual.clone(), weight, eps)
 
 
 @torch.no_grad()
@@ -89,11 +70,11 @@ def rms_norm_chain(
     Compiled as ONE graph, Inductor removes the bf16 round trip of the residual between calls, which
     is how the whole-model compiled CPU path keeps the residual stream in fp32.
     """
-    return (_compiled(_norm_chain) if compiled else _norm_chain)(hs, residual, weight, eps)
+    return (compiled_fn(_norm_chain) if compiled else _norm_chain)(hs, residual, weight, eps)
 
 
 def _norm_chain(hs, residual, weight, eps):
-    fn = _native("fused_add_rms_norm")
+    fn = native_op("fused_add_rms_norm")
     outs = []
     for h in hs:
         out, residual = fn(h, residual, weight, eps)
@@ -107,7 +88,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, *, compiled: bool = False
     from vllm.model_executor.layers.activation import SiluAndMul
 
     fn = SiluAndMul.forward_native
-    return (_compiled(fn) if compiled else fn)(torch.cat((gate, up), dim=-1))
+    return (compiled_fn(fn) if compiled else fn)(torch.cat((gate, up), dim=-1))
 
 
 @functools.cache
@@ -167,7 +148,7 @@ def apply_rope_module(
     if not compiled:
         return mod.forward_cpu(positions, q.clone(), k.clone())
     cache = mod.cos_sin_cache.to(q.dtype)
-    return _compiled(_rope_static)(positions, q, k, mod.head_size, mod.rotary_dim, cache)
+    return compiled_fn(_rope_static)(positions, q, k, mod.head_size, mod.rotary_dim, cache)
 
 
 def rope(
@@ -272,8 +253,8 @@ class EngineFloor:
     # the engine's ops, as the selected path runs them
     def _norm(self, x, w, residual=None):
         if residual is None:
-            return _native("rms_norm")(x, w, self.eps)
-        return _native("fused_add_rms_norm")(x, residual, w, self.eps)
+            return native_op("rms_norm")(x, w, self.eps)
+        return native_op("fused_add_rms_norm")(x, residual, w, self.eps)
 
     def _rope(self, positions, q, k):
         if self.compiled:  # inside the whole-graph compile: the native body, not a compiled op
@@ -296,7 +277,7 @@ class EngineFloor:
     def _silu_and_mul(self, gate, up):
         from vllm.model_executor.layers.activation import SiluAndMul
 
-        return SiluAndMul.forward_native(torch.cat((gate, up), dim=-1))
+        return SiluAndMul.forwardnative_op(torch.cat((gate, up), dim=-1))
 
     def _mlp(self, m, x):
         lin = self._linear

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine_ops import _compiled
+from .engine_compile import compiled_fn
 
 
 def cpu_isa() -> str:
@@ -53,7 +53,7 @@ def _compiled_router(experts: int, dtype: torch.dtype, top_k: int, renormalize: 
 
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
-    from .engine_ops import CPU_INDUCTOR_OPTIONS
+    from .engine_compile import CPU_INDUCTOR_OPTIONS
 
     key = (experts, dtype, top_k, renormalize)
     if key not in _ROUTERS:
@@ -162,12 +162,12 @@ def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
 def _shared_sum_norm(gate, shared, routed, residual, weight, eps):
     from torch.nn import functional as F
 
-    from .engine_ops import _native
+    from .engine_compile import native_op
 
     # vLLM models/qwen2_moe.py::Qwen2MoeMLP.forward (F.sigmoid(expert_gate(x)) * out), then
     # MoERunner: shared_output + fused_output, then the next layer's fused add + RMSNorm
     h = F.sigmoid(gate) * shared + routed
-    return _native("fused_add_rms_norm")(h, residual, weight, eps)
+    return native_op("fused_add_rms_norm")(h, residual, weight, eps)
 
 
 @torch.no_grad()
@@ -182,5 +182,5 @@ def shared_sum_norm(
     compiled: bool = False,
 ) -> torch.Tensor:
     """The next norm's output after Qwen2-MoE's ``sigmoid(gate) * shared + routed`` as the engine runs it."""
-    fn = _compiled(_shared_sum_norm) if compiled else _shared_sum_norm
+    fn = compiled_fn(_shared_sum_norm) if compiled else _shared_sum_norm
     return fn(gate, shared, routed, residual.clone(), weight, eps)[0]

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import AlignmentError
-from .engine_ops import CPU_INDUCTOR_OPTIONS, EngineFloor
+from .engine_compile import CPU_INDUCTOR_OPTIONS
+from .engine_ops import EngineFloor
 
 
 class PiecewiseEngineFloor(EngineFloor):

@@ -99,7 +99,7 @@ def engine_routes(
     timeout: float = 1800,
 ) -> list[torch.Tensor]:
     """The engine's expert choices ``[L, T, k]`` for each full sequence (prompt + response), in a child."""
-    from .runner import _child_env
+    from .runner import child_env
 
     with tempfile.TemporaryDirectory(prefix="rlalign-routes-") as tmp:
         spec = Path(tmp) / "spec.json"
@@ -117,7 +117,7 @@ def engine_routes(
         )
         cmd = [sys.executable, "-m", "rlalign_verl.diagnose.moe_routes", "--spec", str(spec)]
         proc = subprocess.run(
-            cmd, env=_child_env(), capture_output=True, text=True, timeout=timeout, check=False
+            cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, check=False
         )
         if proc.returncode != 0 or not out.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])

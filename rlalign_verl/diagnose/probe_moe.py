@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .probe import compare
+from .bits import compare
 
 VARIANT_SUFFIX = "moe_variant=engine-op"
 

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .files import atomic_target
+from ..files import atomic_target
 from .ladder import format_ladder
 from .moe_routes import FLIP_KEY
 from .recommend import flip_change, floor_relation

@@ -95,7 +95,7 @@ class EngineJob:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     for k, v in ENGINE_ENV.items():
         env.setdefault(k, v)
@@ -126,7 +126,7 @@ def run_engine_jobs(
             try:
                 proc = subprocess.run(
                     cmd,
-                    env=_child_env(),
+                    env=child_env(),
                     stdout=lf if quiet else None,
                     stderr=subprocess.STDOUT if quiet else None,
                     timeout=timeout,

@@ -44,14 +44,14 @@ def bootstrap_ci(
 
 def intervals(train: list[torch.Tensor], rollouts: list, groups: list[int], seed: int = 0) -> dict[str, Any]:
     """``{metric key: [lo, hi]}`` for mean |Δlogp| and the k3 KL estimator (same definitions as metrics)."""
-    from ..metrics import _MAX_LOG_RATIO
+    from ..metrics import MAX_LOG_RATIO
 
     abs_d, k3 = [], []
     for t, r in zip(train, rollouts, strict=True):
         d = t.double() - torch.tensor(r.response_logprobs, dtype=torch.float64)
         d = d[torch.isfinite(d)]
         abs_d.append(d.abs())
-        k3.append(d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp() - 1.0 - d)
+        k3.append(d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp() - 1.0 - d)
     return {
         CI_KEYS[0]: bootstrap_ci(*_group_sums(abs_d, groups), seed=seed),
         CI_KEYS[1]: bootstrap_ci(*_group_sums(k3, groups), seed=seed),

@@ -21,18 +21,13 @@ Triton CPU interpreter truncates on ``.to(bfloat16)``; on GPUs both agree).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from ..spec import KERNELS
+from .interpreter import interpreter_active
 
 __all__ = ["KERNELS", "available", "interpreter_active", "rope_forward", "swiglu_forward"]
-
-
-def interpreter_active() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available(t: torch.Tensor, requested: bool = False) -> bool:

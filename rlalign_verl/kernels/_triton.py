@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import interpreter_active
+from .interpreter import interpreter_active
 
 _BLOCK = 1024
 _HALF_DTYPES = {torch.bfloat16: 0, torch.float16: 1}

@@ -28,6 +28,7 @@ so the per-token reduction order of decode differs from any training-side prefil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,6 @@ from ..spec import ATTENTION_VARIANTS
 from ._precision import autocast_disabled
 
 __all__ = ["ATTENTION_VARIANTS", "aligned_attention", "attention_interface", "sequence_ids"]
-DEFAULT_VARIANT = "engine-op"
 
 
 def sequence_ids(position_ids: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
@@ -86,15 +86,13 @@ class AttentionFn(torch.autograd.Function):
     """Forward: the chosen variant, rounded once. Backward: fp32 SDPA's, recomputed from bf16 q/k/v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ids, scale, variant):  # type: ignore[override]
+    def forward(ctx, q, k, v, ids, scale, kernel):  # type: ignore[override]
         # q [N, Hq, D], k/v [N, Hkv, D] packed tokens -> [N, Hq, D] in q.dtype
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         ctx.lens = segment_lengths(ids).tolist()
-        if variant == "engine-op":
-            from ..engine_ops.attention_op import engine_attention  # imports vLLM's CPU kernels
-
-            return engine_attention(q.contiguous(), k.contiguous(), v.contiguous(), ids, scale)
+        if kernel is not None:  # the engine's own op (engine_ops.attention_op): packed q/k/v, ids, scale
+            return kernel(q.contiguous(), k.contiguous(), v.contiguous(), ids, scale)
         with autocast_disabled(q):
             # engine kernels accumulate scores, softmax and p.v in fp32 and round the output once
             return _sdpa_fp32(q.float(), k.float(), v.float(), ctx.lens, scale).to(q.dtype)
@@ -115,7 +113,7 @@ def aligned_attention(
     v: torch.Tensor,
     position_ids: torch.Tensor | None,
     scale: float | None,
-    variant: str = DEFAULT_VARIANT,
+    kernel: Callable | None = None,
 ) -> torch.Tensor:
     """Causal attention of HF-layout ``q [B, Hq, T, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, T, Hq, D]``."""
     b, hq, t, d = q.shape
@@ -130,14 +128,15 @@ def aligned_attention(
     def packed(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
 
-    out = AttentionFn.apply(packed(q), packed(k), packed(v), ids, scale, variant)
+    out = AttentionFn.apply(packed(q), packed(k), packed(v), ids, scale, kernel)
     return out.view(b, t, hq, d)
 
 
-def attention_interface(variant: str = DEFAULT_VARIANT):
-    """An HF attention-interface function (``fn(module, q, k, v, mask, **kw) -> (out, None)``) for ``variant``."""
+def attention_interface(kernel: Callable | None = None):
+    """An HF attention-interface function (``fn(module, q, k, v, mask, **kw) -> (out, None)``): the engine's
+    ``kernel`` in forward (the ``engine-op`` variant) or, without one, fp32 SDPA rounded once (``sdpa-fp32``)."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        return aligned_attention(query, key, value, kwargs.get("position_ids"), scaling, variant), None
+        return aligned_attention(query, key, value, kwargs.get("position_ids"), scaling, kernel), None
 
     return attention

@@ -22,7 +22,7 @@ import torch
 
 from ..profiles import EngineProfile, NormRounding
 from ._precision import autocast_disabled
-from .rmsnorm import _norm_backward, _normalize, _rsqrt_mean_sq
+from .rmsnorm import norm_backward, normalize_rows, rsqrt_mean_sq
 
 
 def _add_norm_math(h, residual, weight, eps: float, rounding: NormRounding, out_dtype: torch.dtype):
@@ -30,16 +30,16 @@ def _add_norm_math(h, residual, weight, eps: float, rounding: NormRounding, out_
     # keeps neither R(s) nor R(s*rt) between the ops: Inductor drops that cast pair). s is recomputed
     # inside the kernel, not stored: bf16 loads make Inductor tile by 32 lanes, as in the engine.
     s = h.float() if residual is None else h.float() + residual.float()
-    rt = _rsqrt_mean_sq(s, eps, rounding.mean)
-    return _normalize(s, rt, weight.float(), rounding, out_dtype)
+    rt = rsqrt_mean_sq(s, eps, rounding.mean)
+    return normalize_rows(s, rt, weight.float(), rounding, out_dtype)
 
 
 def _add_norm_store_math(h, residual, weight, eps: float, rounding: NormRounding, out_dtype: torch.dtype):
     # as above, but s is a kernel output (the engine realises it here): the reduction then reads the
     # stored fp32 s and Inductor tiles by 16 fp32 lanes, another summation order
     s = h.float() if residual is None else h.float() + residual.float()
-    rt = _rsqrt_mean_sq(s, eps, rounding.mean)
-    return _normalize(s, rt, weight.float(), rounding, out_dtype), s
+    rt = rsqrt_mean_sq(s, eps, rounding.mean)
+    return normalize_rows(s, rt, weight.float(), rounding, out_dtype), s
 
 
 def stores_sum(index: int, reads_threshold: int = 4) -> bool:
@@ -63,25 +63,25 @@ def stores_sum(index: int, reads_threshold: int = 4) -> bool:
 
 def _norm_math(x, weight, eps: float, rounding: NormRounding, keep_fp32: bool):
     v = x.float()
-    rt = _rsqrt_mean_sq(v, eps, rounding.mean)
+    rt = rsqrt_mean_sq(v, eps, rounding.mean)
     if keep_fp32:  # q/k-norm fused into RoPE by the engine's compile: never rounded in between
         return v * rt * weight.float()
-    return _normalize(v, rt, weight.float(), rounding, x.dtype)
+    return normalize_rows(v, rt, weight.float(), rounding, x.dtype)
 
 
 def _bwd_math(v, weight, gy, g_res, eps: float, rounding: NormRounding, out_dtype: torch.dtype):
     # :mod:`.rmsnorm`'s fp32 backward (roundings straight-through), compiled for speed: its reductions
     # (the row's inner product, the weight gradient over rows) then sum in Inductor's order
     v = v.float()
-    rt = _rsqrt_mean_sq(v, eps, rounding.mean)
-    dv, gw = _norm_backward(v, rt, weight.float(), gy.float())
+    rt = rsqrt_mean_sq(v, eps, rounding.mean)
+    dv, gw = norm_backward(v, rt, weight.float(), gy.float())
     if g_res is not None:
         dv = dv + g_res.float()
     return dv.to(out_dtype), dv, gw.sum(0).to(weight.dtype)
 
 
 @functools.cache
-def _kernel(fn: Callable, key: tuple, options: tuple[tuple[str, object], ...]) -> Callable:
+def compiled_kernel(fn: Callable, key: tuple, options: tuple[tuple[str, object], ...]) -> Callable:
     """``fn`` compiled with ``options``, one compiled code object per ``key`` (shape/dtype variant).
 
     A private copy of the code object per key gives each variant its own Dynamo cache, so no variant
@@ -92,7 +92,7 @@ def _kernel(fn: Callable, key: tuple, options: tuple[tuple[str, object], ...]) -
     return torch.compile(copy, backend="inductor", fullgraph=True, options=dict(options))
 
 
-def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+def pad_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """``t`` as contiguous ``[rows, hidden]`` with the row count marked dynamic (at least 2 rows)."""
     if t is None:
         return None
@@ -104,7 +104,7 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def _run(fn: Callable, key: tuple, options, *tensors_and_args):
-    return _kernel(fn, key, options)(*tensors_and_args)
+    return compiled_kernel(fn, key, options)(*tensors_and_args)
 
 
 def _backward(v, weight, gy, g_res, eps, rounding, out_dtype, options):
@@ -120,7 +120,7 @@ def _backward(v, weight, gy, g_res, eps, rounding, out_dtype, options):
         rounding,
         out_dtype,
     )
-    args = (_rows(v, n), weight, _rows(gy, n), _rows(g_res, n), eps, rounding, out_dtype)
+    args = (pad_rows(v, n), weight, pad_rows(gy, n), pad_rows(g_res, n), eps, rounding, out_dtype)
     with autocast_disabled(gy):
         dv, dv32, gw = _run(_bwd_math, key, options, *args)
     return dv[:n].view(shape), dv32[:n].view(shape), gw
@@ -160,7 +160,7 @@ class _InductorAddRmsNormFn(torch.autograd.Function):
             rounding,
             dtype,
         )
-        args = (_rows(h_k, n), _rows(r_k, n), weight, eps, rounding, dtype)
+        args = (pad_rows(h_k, n), pad_rows(r_k, n), weight, eps, rounding, dtype)
         with autocast_disabled(h):
             if store:
                 y, s = _run(fn, key, options, *args)
@@ -188,7 +188,7 @@ class _InductorRmsNormFn(torch.autograd.Function):
         shape, n = x.shape, x.shape[:-1].numel()
         key = ("norm", x.dtype, weight.dtype, shape[-1], eps, rounding, keep_fp32)
         with autocast_disabled(x):
-            y = _run(_norm_math, key, options, _rows(x, n), weight, eps, rounding, keep_fp32)
+            y = _run(_norm_math, key, options, pad_rows(x, n), weight, eps, rounding, keep_fp32)
         return y[:n].view(shape)
 
     @staticmethod

@@ -25,7 +25,7 @@ import torch
 
 from ..profiles import EngineProfile, MoeRounding
 from ._precision import autocast_disabled
-from .inductor_norm import _kernel, _rows
+from .inductor_norm import compiled_kernel, pad_rows
 
 
 def _route_math(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +64,7 @@ class _InductorRouteFn(torch.autograd.Function):
         shape, n = logits.shape, logits.shape[:-1].numel()
         key = ("route", logits.dtype, shape[-1], top_k, renormalize)
         with autocast_disabled(logits):
-            w, ids = _kernel(_route_math, key, options)(_rows(logits, n), top_k, renormalize)
+            w, ids = compiled_kernel(_route_math, key, options)(pad_rows(logits, n), top_k, renormalize)
         w = w[:n].view(*shape[:-1], top_k)
         ids = ids[:n].view(*shape[:-1], top_k).long()  # route()'s contract: int64 ids, as torch.topk
         ctx.mark_non_differentiable(ids)

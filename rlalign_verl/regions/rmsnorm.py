@@ -16,7 +16,7 @@ from ..profiles import Mean, NormRounding, Source
 from ._precision import autocast_disabled, rnd
 
 
-def _rsqrt_mean_sq(v: torch.Tensor, eps: float, mean: Mean) -> torch.Tensor:
+def rsqrt_mean_sq(v: torch.Tensor, eps: float, mean: Mean) -> torch.Tensor:
     if mean is Mean.MEAN:
         var = v.pow(2).mean(-1, keepdim=True)  # torch.mean, as HF and vLLM's native ops
     else:
@@ -24,7 +24,7 @@ def _rsqrt_mean_sq(v: torch.Tensor, eps: float, mean: Mean) -> torch.Tensor:
     return torch.rsqrt(var + eps)
 
 
-def _normalize(
+def normalize_rows(
     n: torch.Tensor, rt: torch.Tensor, w: torch.Tensor, rounding: NormRounding, dtype: torch.dtype
 ):
     if rounding.output_roundings == 2:
@@ -34,7 +34,7 @@ def _normalize(
     return (n * rt * w).to(dtype)
 
 
-def _norm_backward(n, rt, w, gy):
+def norm_backward(n, rt, w, gy):
     """d(n*rt(n)*w)/dn and the per-element weight gradient, fp32 (both roundings straight-through)."""
     xhat = n * rt
     gw = gy * xhat
@@ -56,19 +56,19 @@ class _RmsNormFn(torch.autograd.Function):
         dtype = x.dtype
         with autocast_disabled(x):
             v = x.float()
-            rt = _rsqrt_mean_sq(v, eps, rounding.mean)
+            rt = rsqrt_mean_sq(v, eps, rounding.mean)
             if keep_fp32:
                 # Inductor fuses q/k-norm into RoPE: the normalised value is never stored in bf16.
                 return v * rt * weight.float()
-            return _normalize(v, rt, weight.float(), rounding, dtype)
+            return normalize_rows(v, rt, weight.float(), rounding, dtype)
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         with autocast_disabled(gy):
             v = x.float()
-            rt = _rsqrt_mean_sq(v, ctx.eps, ctx.rounding.mean)
-            dx, gw = _norm_backward(v, rt, weight.float(), gy.float())
+            rt = rsqrt_mean_sq(v, ctx.eps, ctx.rounding.mean)
+            dx, gw = norm_backward(v, rt, weight.float(), gy.float())
         return dx.to(x.dtype), _reduce_to_weight(gw, weight), None, None, None
 
 
@@ -89,8 +89,8 @@ class _AddRmsNormFn(torch.autograd.Function):
             s_r = rnd(s, dtype)
             var_src = s if rounding.variance is Source.FP32_SUM else s_r
             norm_src = s if rounding.normalize is Source.FP32_SUM else s_r
-            rt = _rsqrt_mean_sq(var_src, eps, rounding.mean)
-            y = _normalize(norm_src, rt, weight.float(), rounding, dtype)
+            rt = rsqrt_mean_sq(var_src, eps, rounding.mean)
+            y = normalize_rows(norm_src, rt, weight.float(), rounding, dtype)
             # residual handed on: stored in bf16 (eager kernels, graph-split boundary) or kept in fp32 (one graph).
             new_residual = s_r.to(dtype) if round_residual else s
         ctx.residual_dtype = new_residual.dtype
@@ -100,8 +100,8 @@ class _AddRmsNormFn(torch.autograd.Function):
     def backward(ctx, gy, g_res):  # type: ignore[override]
         s, weight = ctx.saved_tensors
         with autocast_disabled(gy):
-            rt = _rsqrt_mean_sq(s, ctx.eps, ctx.rounding.mean)
-            ds, gw = _norm_backward(s, rt, weight.float(), gy.float())
+            rt = rsqrt_mean_sq(s, ctx.eps, ctx.rounding.mean)
+            ds, gw = norm_backward(s, rt, weight.float(), gy.float())
             if g_res is not None:
                 ds = ds + g_res.float()
         d_res = None if ctx.r_dtype is None else ds.to(ctx.r_dtype)

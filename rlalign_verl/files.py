@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import AlignmentError
+from .errors import AlignmentError
 
 
 def prepare_out_dir(out: str | Path, flag: str = "--out") -> Path:
