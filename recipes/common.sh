@@ -48,57 +48,37 @@ rlalign_grpo_main() {
     local align_override
     align_override=$(rlalign_align_override "${ALIGN}")
 
+    # the fixed settings are configs/experiment/grpo_gpu.yaml; here only what the knobs decide
     local -a cmd=(
-        "${PYTHON:-python3}" -m rlalign_verl.main_ppo
-        # --- algorithm -------------------------------------------------------------------------
-        algorithm.adv_estimator=grpo
-        algorithm.use_kl_in_reward=False
+        "${PYTHON:-python3}" -m rlalign_verl.main_ppo +experiment=grpo_gpu
         # --- data ------------------------------------------------------------------------------
         "data.train_files=${DATA_DIR}/${TASK}/train.parquet"
         "data.val_files=${DATA_DIR}/${TASK}/test.parquet"
         "data.train_batch_size=${TRAIN_BATCH_SIZE}"
         "data.max_prompt_length=${MAX_PROMPT_LENGTH}"
         "data.max_response_length=${MAX_RESPONSE_LENGTH}"
-        data.filter_overlong_prompts=True
-        data.truncation=error
-        # --- model (actor and ref) -------------------------------------------------------------
+        # --- model, actor, rollout, ref --------------------------------------------------------
         "actor_rollout_ref.model.path=${MODEL_PATH}"
-        actor_rollout_ref.model.use_remove_padding=True
-        actor_rollout_ref.model.enable_gradient_checkpointing=True
-        # --- actor -----------------------------------------------------------------------------
         "actor_rollout_ref.actor.strategy=${STRATEGY}"
         "actor_rollout_ref.actor.optim.lr=${LR}"
         "actor_rollout_ref.actor.ppo_mini_batch_size=${PPO_MINI_BATCH_SIZE}"
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=${MICRO_BATCH_PER_GPU}"
-        actor_rollout_ref.actor.use_kl_loss=True
         "actor_rollout_ref.actor.kl_loss_coef=${KL_COEF}"
-        actor_rollout_ref.actor.kl_loss_type=low_var_kl
-        actor_rollout_ref.actor.entropy_coeff=0
-        actor_rollout_ref.actor.fsdp_config.param_offload=False
-        actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
-        # --- rollout (the engine whose rounding alignment mirrors) -----------------------------
         "actor_rollout_ref.rollout.name=${ENGINE}"
         "actor_rollout_ref.rollout.n=${ROLLOUT_N}"
         "actor_rollout_ref.rollout.tensor_model_parallel_size=${ROLLOUT_TP}"
         "actor_rollout_ref.rollout.gpu_memory_utilization=${GPU_MEM_UTIL}"
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=${MICRO_BATCH_PER_GPU}"
-        actor_rollout_ref.rollout.calculate_log_probs=True
-        # --- ref -------------------------------------------------------------------------------
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=${MICRO_BATCH_PER_GPU}"
-        actor_rollout_ref.ref.fsdp_config.param_offload=True
         # --- alignment (rlalign-verl): the only setting that differs between ablation runs -----
         "${align_override}"
         "alignment.engine=${ALIGN_ENGINE}"
-        alignment.metrics=True
         # --- trainer ---------------------------------------------------------------------------
-        trainer.critic_warmup=0
         "trainer.logger=${LOGGER}"
         "trainer.project_name=${PROJECT}"
         "trainer.experiment_name=${EXPERIMENT}"
         "trainer.n_gpus_per_node=${NGPUS_PER_NODE}"
         "trainer.nnodes=${NNODES}"
-        trainer.save_freq=-1
-        trainer.test_freq=10
         "trainer.total_epochs=${TOTAL_EPOCHS}"
     )
     cmd+=("$@")

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # A real verl GRPO run on a CPU-only machine: verl 0.9.1's trainer, the vLLM CPU engine as rollout
-# (vLLMHttpServer + agent loop), an FSDP2 actor and ref on gloo, weight sync every step, and the
-# plugin's mismatch metrics; a tiny local Qwen2, synthetic prompts and a rule reward built on the fly.
-# Nothing is downloaded.
+# (vLLMHttpServer + agent loop), an FSDP2 actor and ref on gloo, weight sync every step, the plugin's
+# alignment, in-run verification and mismatch metrics; a tiny local Qwen2, synthetic prompts and a rule
+# reward built on the fly. Nothing is downloaded. The fixed settings are configs/experiment/grpo_tiny_cpu.yaml.
 #
 #   bash recipes/grpo_tiny_cpu.sh                  # baseline, then all regions, then the report
 #   ALIGN=rope bash recipes/grpo_tiny_cpu.sh       # one arm only (none|rope|all|<comma list>), no report
+#   RAY_ADDRESS=... bash recipes/grpo_tiny_cpu.sh  # on an existing Ray cluster (recipes/submit_ray_job.sh does it)
 #
 # Knobs: ALIGN (unset: both arms none+all and a report), STEPS (3), BATCH (4 prompts), N (2 samples per
-# prompt), RESPONSE_LEN (24), LR (1e-6), OUT (runs/grpo_tiny_cpu), PYTHON (.venv/bin/python if present),
-# DRY_RUN=print (print the command of the ALIGN arm) or DRY_RUN=1 (its composed config; nothing runs).
+# prompt), RESPONSE_LEN (24), LR (1e-6), OUT (runs/grpo_tiny_cpu), LOGGERS (console,file), PYTHON (.venv/bin/python
+# if present), DRY_RUN=print (print the command of the ALIGN arm) or DRY_RUN=1 (its composed config).
 # Extra arguments are passed to verl as Hydra overrides. Each arm writes verl's file-logger JSONL to
-# $OUT/<arm>.jsonl and its full log to $OUT/<arm>.log; the report goes to $OUT/report/ (PNG + HTML).
+# $OUT/<arm>.jsonl (TensorBoard events to $OUT/tensorboard/<arm> with LOGGERS=console,file,tensorboard) and its
+# log to $OUT/<arm>.log; the report goes to $OUT/report/ (PNG + HTML).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -25,6 +27,20 @@ N=${N:-2}
 RESPONSE_LEN=${RESPONSE_LEN:-24}
 LR=${LR:-1e-6}
 OUT=${OUT:-runs/grpo_tiny_cpu}
+LOGGERS=${LOGGERS:-console,file}
+
+# every knob is checked before anything starts (a bad one would otherwise surface ~40 s later inside Ray)
+bad_knob() { echo "[rlalign-verl] ERROR grpo_tiny_cpu.sh: $1" >&2; exit 2; }
+for knob in STEPS BATCH N RESPONSE_LEN; do
+    value=${!knob}
+    [[ "${value}" =~ ^[1-9][0-9]*$ ]] || bad_knob "${knob}=${value} is not a whole number >= 1; e.g. ${knob}=3"
+done
+"${PYTHON}" -c 'import sys; v = float(sys.argv[1]); assert v > 0 and v == v and v < float("inf")' "${LR}" 2>/dev/null \
+    || bad_knob "LR=${LR} is not a positive number; e.g. LR=1e-6"
+IFS=, read -r -a logger_list <<<"${LOGGERS}"
+for logger in "${logger_list[@]}"; do
+    case "${logger}" in console | file | tensorboard | wandb) ;; *) bad_knob "LOGGERS has '${logger}'; use console,file,tensorboard,wandb" ;; esac
+done
 mkdir -p "${OUT}"
 OUT=$(cd "${OUT}" && pwd)
 
@@ -51,48 +67,39 @@ regions_of() {
 run_arm() {
     local arm=$1
     shift
+    local jsonl="${OUT}/${arm}.jsonl"
+    local -a env_vars=("++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=${jsonl}")
+    if [[ ",${LOGGERS}," == *",tensorboard,"* ]]; then
+        env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=${OUT}/tensorboard/${arm}")
+    fi
+    for name in VERL_USE_EXTERNAL_MODULES PYTHONPATH; do  # reach the workers of a cluster too
+        if [[ -n "${!name:-}" ]]; then env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.${name}=${!name}"); fi
+    done
+    local -a ray_resources=()
+    if [[ -z "${RAY_ADDRESS:-}" ]]; then
+        # a local Ray: one "GPU" (the CPU platform's Ray resource name) and enough CPUs for the placement group;
+        # an existing cluster brings its own resources (ray.init refuses them there)
+        ray_resources=(+ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=16)
+    fi
     local -a cmd=(
-        "${PYTHON}" -m rlalign_verl.main_ppo
-        algorithm.adv_estimator=grpo
-        algorithm.use_kl_in_reward=False
+        "${PYTHON}" -m rlalign_verl.main_ppo +experiment=grpo_tiny_cpu
         "data.train_files=${TRAIN}" "data.val_files=${VAL}"
-        "data.train_batch_size=${BATCH}" data.max_prompt_length=32 "data.max_response_length=${RESPONSE_LEN}"
-        data.dataloader_num_workers=0 data.shuffle=False
+        "data.train_batch_size=${BATCH}" "data.max_response_length=${RESPONSE_LEN}"
         "actor_rollout_ref.model.path=${MODEL}"
-        +actor_rollout_ref.model.override_config.attn_implementation=sdpa
-        actor_rollout_ref.model.use_remove_padding=True
-        actor_rollout_ref.actor.strategy=fsdp2
         "actor_rollout_ref.actor.optim.lr=${LR}"
         "actor_rollout_ref.actor.ppo_mini_batch_size=${BATCH}"
-        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$((BATCH * N))
-        actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
-        actor_rollout_ref.actor.entropy_coeff=0
-        actor_rollout_ref.actor.use_torch_compile=False
-        actor_rollout_ref.ref.strategy=fsdp2
-        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$((BATCH * N))
-        actor_rollout_ref.ref.use_torch_compile=False
-        actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.mode=async
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$((BATCH * N))"
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$((BATCH * N))"
         "actor_rollout_ref.rollout.n=${N}"
-        actor_rollout_ref.rollout.tensor_model_parallel_size=1
-        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((BATCH * N))
-        actor_rollout_ref.rollout.calculate_log_probs=True
-        actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))
-        actor_rollout_ref.rollout.max_model_len=$((32 + RESPONSE_LEN))
-        actor_rollout_ref.rollout.max_num_batched_tokens=512
-        # vLLM's CPU platform has no sleep mode (vllm/config/model.py:621-623)
-        +actor_rollout_ref.rollout.enable_sleep_mode=False actor_rollout_ref.rollout.free_cache_engine=False
-        actor_rollout_ref.rollout.agent.num_workers=1
-        "reward.custom_reward_function.path=${REWARD}" reward.custom_reward_function.name=compute_score
-        reward.num_workers=1
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=$((BATCH * N))"
+        "actor_rollout_ref.rollout.max_num_seqs=$((BATCH * N))"
+        "actor_rollout_ref.rollout.max_model_len=$((32 + RESPONSE_LEN))"
+        "reward.custom_reward_function.path=${REWARD}"
         "alignment.regions=$(regions_of "${arm}")" alignment.metrics=True
-        # Ray sees one "GPU" (the CPU platform's Ray resource name) and enough CPUs for the placement group
-        +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=16
-        transfer_queue.backend.SimpleStorage.num_data_storage_units=1
-        trainer.n_gpus_per_node=1 trainer.nnodes=1
-        trainer.critic_warmup=0 trainer.val_before_train=False trainer.test_freq=-1 trainer.save_freq=-1
-        "trainer.total_training_steps=${STEPS}" trainer.total_epochs=1
-        'trainer.logger=["console","file"]'
-        trainer.project_name=grpo_tiny_cpu "trainer.experiment_name=${arm}"
+        "${ray_resources[@]}" "${env_vars[@]}"
+        "trainer.total_training_steps=${STEPS}"
+        "trainer.logger=[${LOGGERS}]"
+        "trainer.experiment_name=${arm}"
     )
     cmd+=("$@")
     case "${DRY_RUN:-0}" in
@@ -100,13 +107,16 @@ run_arm() {
         1 | true | yes) "${cmd[@]}" --cfg job --resolve && return 0 ;;
     esac
     echo "[grpo_tiny_cpu] arm=${arm}: alignment.regions=$(regions_of "${arm}") steps=${STEPS} (log: ${OUT}/${arm}.log)" >&2
-    local jsonl="${OUT}/${arm}.jsonl"
     rm -f "${jsonl}"
-    (cd "${OUT}" && VERL_FILE_LOGGER_PATH="${jsonl}" "${cmd[@]}") >"${OUT}/${arm}.log" 2>&1 || {
-        echo "[grpo_tiny_cpu] arm=${arm} FAILED; last lines of ${OUT}/${arm}.log:" >&2
+    local status=0
+    (cd "${OUT}" && VERL_FILE_LOGGER_PATH="${jsonl}" "${cmd[@]}") >"${OUT}/${arm}.log" 2>&1 || status=$?
+    if [[ ${status} -ne 0 ]]; then
+        # our own one-line errors first (a stopped run names its fix), then the log's tail
+        grep -a '^\[rlalign-verl\] ERROR' "${OUT}/${arm}.log" | tail -n 3 >&2 || true
+        echo "[grpo_tiny_cpu] arm=${arm} FAILED (exit ${status}); last lines of ${OUT}/${arm}.log:" >&2
         tail -n 40 "${OUT}/${arm}.log" >&2
-        return 1
-    }
+        return "${status}"
+    fi
     echo "[grpo_tiny_cpu] arm=${arm} done: ${jsonl}" >&2
 }
 

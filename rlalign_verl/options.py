@@ -45,3 +45,13 @@ def key_name(dotted: str, spelling: str = "hydra") -> str:
     if spelling == "python":
         return f"{dotted.rsplit('.', 1)[-1]}="
     return f"alignment.{dotted}"
+
+
+def key_setting(dotted: str, value: str, spelling: str = "hydra") -> str:
+    """``dotted`` set to ``value`` as the user writes it on one surface (``value`` in the Hydra spelling)."""
+    if spelling == "flag":
+        return f"--alignment.{dotted} {value}"
+    if spelling == "python":
+        text = {"true": "True", "false": "False"}.get(value, repr(value))
+        return f"{dotted.rsplit('.', 1)[-1]}={text}"
+    return f"alignment.{dotted}={value}"

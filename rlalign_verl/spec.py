@@ -130,6 +130,8 @@ class Experimental:
     """Profile data not yet checked against the engine that you opt into: ``moe``."""
     metrics_quantiles: bool = True
     """Log the p50/p90/p99 of |Δlogp| (one sort per step)."""
+    untested_versions: bool = False
+    """Align under a transformers outside the tested range (:data:`rlalign_verl.compat.TRANSFORMERS_TESTED`)."""
 
 
 _VERIFY_KEYS = tuple(f.name for f in fields(VerifySpec))
@@ -395,6 +397,7 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         compile=flag(x, "compile", default_x.compile, "experimental."),
         unverified=_names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified", spelling),
         metrics_quantiles=flag(x, "metrics_quantiles", default_x.metrics_quantiles, "experimental."),
+        untested_versions=flag(x, "untested_versions", default_x.untested_versions, "experimental."),
     )
     regions_value = _plain(data.get("regions"))
     if isinstance(regions_value, bool | int | float):

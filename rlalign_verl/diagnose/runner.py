@@ -96,12 +96,15 @@ class EngineJob:
 
 
 def child_env() -> dict[str, str]:
+    """The engine child's environment: the engine settings and the package importable from its root."""
     env = dict(os.environ)
     for k, v in ENGINE_ENV.items():
         env.setdefault(k, v)
     env["VLLM_TARGET_DEVICE"] = env.get("VLLM_TARGET_DEVICE") or "cpu"
-    src = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # the folder that holds the rlalign_verl package (never the package folder itself: its modules, e.g.
+    # rlalign_verl/kernels, would shadow top-level packages such as Hugging Face's `kernels`)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 

@@ -50,6 +50,7 @@ SWITCHES = (
     "experimental.compile",
     "experimental.compiled_norm",
     "experimental.metrics_quantiles",
+    "experimental.untested_versions",
     # old spellings: a bare flag still reaches the spec, which names the new key
     "compile",
     "compiled_norm",
