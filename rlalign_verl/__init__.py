@@ -11,6 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AlignmentSpec": "rlalign_verl.spec",
     "apply_alignment": "rlalign_verl.patch",
     "remove_alignment": "rlalign_verl.patch",
     "aligned": "rlalign_verl.patch",

@@ -12,13 +12,11 @@ from __future__ import annotations
 import importlib.metadata
 
 from .errors import AlignmentError
-from .log import visible_logger
+from .log import visible_logger, warn_once
 from .options import key_name, key_setting
 
 TRANSFORMERS_TESTED = ">=5.10,<5.25"
 """transformers versions the CI version matrix runs the patching, checkpointing and generation tests on."""
-
-_warned: set[str] = set()
 
 
 class UntestedVersionError(AlignmentError):
@@ -56,6 +54,4 @@ def check_transformers(opt_in: bool, spelling: str = "hydra", version: str | Non
             f"{what}; install 'transformers{TRANSFORMERS_TESTED}', or set "
             f"{key_setting('experimental.untested_versions', 'true', spelling)} to try anyway"
         )
-    if found not in _warned:
-        _warned.add(found)
-        visible_logger("rlalign_verl").warning(f"{what}; continuing because {key} is set")
+    warn_once(visible_logger("rlalign_verl"), f"{what}; continuing because {key} is set")

@@ -47,6 +47,10 @@ class ConfigFormatError(AlignmentError):
     """A setting or file of the wrong type or shape (not a mapping, not a boolean, malformed JSON)."""
 
 
+class ComputeDtypeError(AlignmentError):
+    """An aligned region fed tensors that are not bf16: every profile mirrors a bf16 engine."""
+
+
 class MetricsInputError(AlignmentError):
     """Inputs to the mismatch metrics that are not tensors of one ``[batch, response_len]`` shape."""
 

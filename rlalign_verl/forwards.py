@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .binding import cache_kwarg, checkpointed, original_forward, pop_cache
+from .errors import ComputeDtypeError
 from .families import get_family
 from .profiles import HF, EngineProfile, Residual
 from .regions.attention import attention_interface
@@ -135,11 +136,37 @@ def norm_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     return rms_norm, add_norm
 
 
+def require_bf16(t: torch.Tensor, where: str) -> None:
+    """Every profile mirrors a bf16 engine: rounding an fp32 (or fp16) computation to bf16 points would change
+    it without matching anything, so an aligned region refuses such tensors (the check is one dtype compare)."""
+    if t.dtype is not torch.bfloat16:
+        raise ComputeDtypeError(
+            f"the aligned model computes in {str(t.dtype).removeprefix('torch.')} ({where}), but alignment mirrors "
+            "a bf16 engine; run the model in bf16 as the engine does (model.to(torch.bfloat16), FSDP mixed "
+            "precision with param_dtype=bf16, or torch.autocast(device_type, dtype=torch.bfloat16)), or turn "
+            "alignment off"
+        )
+
+
+def compute_probe(weight: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of the dtype a layer with ``weight`` computes in: the autocast dtype where autocast is on
+    for its device (fp32 master weights under ``torch.autocast(bf16)``), else the weight's own dtype."""
+    device = weight.device.type
+    try:
+        autocast = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type without autocast (meta)
+        autocast = False
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
+    return weight.new_empty(0, dtype=dtype)
+
+
 def mlp_forward(st: AlignmentState) -> Callable:
     swiglu_fn, _ = region_fns(st)
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_fn(self.gate_proj(x), self.up_proj(x)))
+        gate = self.gate_proj(x)
+        require_bf16(gate, "the SwiGLU input gate_proj(x)")
+        return self.down_proj(swiglu_fn(gate, self.up_proj(x)))
 
     return forward
 
@@ -181,6 +208,7 @@ def attention_forward(st: AlignmentState, rotary: nn.Module) -> Callable:
         q = self.q_proj(hidden_states).view(hidden_shape)
         k = self.k_proj(hidden_states).view(hidden_shape)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        require_bf16(v, "the attention projections")
         if family.qk_norm:
             if norm_on:
                 q = qk_norm(
@@ -248,6 +276,7 @@ def layer_forward(st: AlignmentState) -> Callable:
     ) -> torch.Tensor:
         kv_cache = pop_cache(kwargs, past_key_values)  # transformers >= 5.24 passes it as cache=
         ln_in, ln_post = self.input_layernorm, self.post_attention_layernorm
+        require_bf16(compute_probe(ln_in.weight), "the decoder layer's weights, no bf16 autocast")
         box: ResidualCarry | None = kwargs.pop(CARRY_KWARG, None)
         idx = self.self_attn.layer_idx
         rest = None

@@ -70,6 +70,10 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+MAX_LOG_PROB = 1e-3
+"""The largest log-prob accepted: log-softmax is <= 0, and rounding in bf16/fp32 leaves far less above 0."""
+
+
 def _check_tensor(name: str, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         raise MetricsInputError(
@@ -101,6 +105,24 @@ def _check_inputs(train: Any, rollout: Any, mask: Any) -> None:
             f"[batch, response_len] shape; got {shapes[0]}, {shapes[1]} and {shapes[2]}. Pass the response "
             "part only (verl: batch['old_log_probs'], batch['rollout_log_probs'], batch['response_mask'])."
         )
+    for name, value in (("train_log_probs", train), ("rollout_log_probs", rollout)):
+        if not value.is_floating_point():
+            raise MetricsInputError(
+                f"compute_mismatch_metrics: {name} is a {str(value.dtype).removeprefix('torch.')} tensor; log-probs "
+                "are floating point: pass the per-token log-probs themselves (not token ids or counts)"
+            )
+    if mask.dtype is not torch.bool:
+        # one sync: a mask of 0.5, -1 or NaN would otherwise count as "valid" (!= 0)
+        bad = (
+            int(((mask != 0) & (mask != 1)).sum())
+            if not mask.is_floating_point()
+            else int((~((mask == 0) | (mask == 1))).sum())
+        )
+        if bad:
+            raise MetricsInputError(
+                f"compute_mismatch_metrics: response_mask has {bad} value(s) other than 0 and 1 (e.g. 0.5, -1 or "
+                "NaN); pass a 0/1 (or bool) mask of the response tokens, e.g. (mask > 0)"
+            )
 
 
 def sorted_quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
@@ -179,6 +201,13 @@ def compute_mismatch_metrics(
     # Statistics over the valid tokens only (1-D), so NaN/inf and padding never enter a reduction.
     t = train[valid].to(dtype)
     r = rollout[valid].to(dtype)
+    highest = torch.stack([t.max(), r.max()]).tolist()
+    for name, top in zip(("train_log_probs", "rollout_log_probs"), highest, strict=True):
+        if top > MAX_LOG_PROB:  # a log-prob is <= 0; rounding leaves at most a few ulp above
+            raise MetricsInputError(
+                f"compute_mismatch_metrics: {name} has values up to {top:.4g} > 0 on response tokens; log-probs are "
+                "<= 0: pass log-probs (not probabilities, logits or log-ratios)"
+            )
     bound = torch.finfo(dtype).max ** 0.25  # |d| <= bound keeps every sum of d^2 finite
     d = (t - r).nan_to_num(posinf=bound, neginf=-bound).clamp(-bound, bound)
     abs_d = d.abs()

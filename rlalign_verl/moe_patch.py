@@ -16,6 +16,7 @@ from torch import nn
 
 from .binding import bind
 from .families import ModelFamily
+from .forwards import require_bf16
 from .profiles import HF, EngineProfile, MoeRounding
 from .regions.moe import fused_gate_sum, mix_experts, route
 
@@ -76,6 +77,7 @@ def _router_forward(rounding: MoeRounding, profile: EngineProfile, variant: str 
     def forward(self: nn.Module, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = nn.functional.linear(hidden_states, self.weight)  # bf16 logits: HF and the engines alike
+        require_bf16(logits, "the MoE router logits")
         weights, experts = route_fn(logits, self.top_k, self.norm_topk_prob, rounding)
         return logits, weights, experts
 

@@ -1,4 +1,4 @@
-"""The engine-profile table of README.md and docs/engine-profiles.md, rendered from :mod:`.profiles`.
+"""The engine-profile table of docs/engine-profiles.md, rendered from :mod:`.profiles`.
 
 The profiles' fields are the single source of truth: every cell below is computed from them, and
 ``scripts/profile_table.py --check`` (run by the tests) fails when a document's table differs.
@@ -77,7 +77,7 @@ def moe_cell(p: EngineProfile) -> str:
         text += "; the kernel's bf16 stores truncate where vLLM's CPU kernels lack AVX512-BF16"
     elif m.store == "truncate":
         text += "; bf16 stores truncate"
-    return text if m.verified else f"UNVERIFIED, opt-in `alignment.unverified=[moe]`: {text}"
+    return text if m.verified else f"UNVERIFIED, opt-in `alignment.experimental.unverified=[moe]`: {text}"
 
 
 def _roundings(n: int) -> str:

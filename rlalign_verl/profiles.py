@@ -199,6 +199,10 @@ VLLM_CPU = EngineProfile(
             "cpu",
             "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
         ),
+        # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
+        VerifiedOn(
+            "vllm", "==0.32.0", "compiled", "cpu", "tests/test_engine_ops.py op by op on the version matrix"
+        ),
     ),
     verified=(
         "verified here against vllm-cpu 0.31.0: each region vs the engine's own op module compiled "
@@ -238,6 +242,10 @@ VLLM_CPU_EAGER = EngineProfile(
             "eager",
             "cpu",
             "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
+        ),
+        # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
+        VerifiedOn(
+            "vllm", "==0.32.0", "eager", "cpu", "tests/test_engine_ops.py op by op on the version matrix"
         ),
     ),
     verified=(

@@ -9,11 +9,18 @@ check runs once the facts it needs are given. Each failure is one line naming th
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 from .compat import check_transformers
-from .errors import AlignmentError, LigerConflictError, ProfileMismatchError, UnsupportedModelError
-from .options import key_name
+from .errors import (
+    AlignmentError,
+    ConfigFormatError,
+    LigerConflictError,
+    ProfileMismatchError,
+    UnsupportedModelError,
+)
+from .options import key_name, key_setting
 from .profiles import PROFILES, EngineProfile, get_profile
 
 if TYPE_CHECKING:  # annotations only: spec.py calls validate() here
@@ -83,6 +90,7 @@ def validate(
         return None
     regions = spec.regions
     exp = spec.experimental
+    check_retired_env(spelling)
     check_transformers(exp.untested_versions, spelling)
     profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
     if liger:
@@ -99,9 +107,9 @@ def validate(
     if "attention" in regions:
         check_attention(profile)
     if exp.compiled_norm:
-        check_compiled_norm(profile, regions)
+        check_compiled_norm(profile, regions, spelling)
     if exp.moe_variant == "engine-op":
-        check_moe_variant(profile, regions)
+        check_moe_variant(profile, regions, spelling)
     if class_form and "lm_head" in regions:
         raise AlignmentError(
             "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
@@ -111,6 +119,29 @@ def validate(
     if model_type is not None:
         check_model(spec, profile, model_type, model_config, expert_parallel, tensor_parallel)
     return profile
+
+
+RETIRED_ENV = {
+    "RLALIGN_TRITON": ("experimental.kernels", {"hydra": "triton", "flag": "triton", "python": "triton"}),
+    "RLALIGN_UNVERIFIED": ("experimental.unverified", {"hydra": "[moe]", "flag": "moe", "python": ("moe",)}),
+}
+"""Environment variables earlier releases read as a second source of truth, and the setting that replaced each."""
+
+
+def check_retired_env(spelling: str = "hydra", environ: Any = None) -> None:
+    """Refuse a retired variable that is set: it would be ignored, and the user expects it to act."""
+    env = os.environ if environ is None else environ
+    for name, (key, values) in RETIRED_ENV.items():
+        if env.get(name):
+            value = values.get(spelling, values["hydra"])
+            setting = (
+                f"{key.rsplit('.', 1)[-1]}={value!r}"
+                if spelling == "python"
+                else key_setting(key, value, spelling)
+            )
+            raise ConfigFormatError(
+                f"{name} is no longer read (one setting decides, on the driver); unset it and set {setting} instead"
+            )
 
 
 # --- the profile -------------------------------------------------------------------------------
@@ -176,29 +207,30 @@ def check_attention(profile: EngineProfile) -> None:
     )
 
 
-def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], spelling: str = "hydra") -> None:
+    on = key_setting("experimental.compiled_norm", "true", spelling)
     if not profile.norm_inductor:
         raise AlignmentError(
-            f"experimental.compiled_norm=true: profile {profile.name!r} does not run its norms as an Inductor graph "
-            "the trainer can reproduce; turn it off (or use a compiled vLLM CPU profile such as vllm-cpu)"
+            f"{on}: profile {profile.name!r} does not run its norms as an Inductor graph the trainer can "
+            "reproduce; turn it off (or use a compiled vLLM CPU profile such as vllm-cpu)"
         )
     if "rmsnorm" not in regions:
-        raise AlignmentError(
-            "experimental.compiled_norm=true needs the rmsnorm region; add rmsnorm to the regions"
-        )
+        raise AlignmentError(f"{on} needs the rmsnorm region; add rmsnorm to the regions")
 
 
-def check_moe_variant(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+def check_moe_variant(profile: EngineProfile, regions: tuple[str, ...], spelling: str = "hydra") -> None:
+    on = key_setting("experimental.moe_variant", "engine-op", spelling)
+    off = key_setting("experimental.moe_variant", "emulate", spelling)
     if not (profile.engine == "vllm" and profile.device == "cpu" and profile.moe is not None):
         raise AlignmentError(
-            f"experimental.moe_variant=engine-op runs vLLM CPU's cpu_fused_moe and mirrors the vllm-cpu profiles "
-            f"only, not {profile.name}; use experimental.moe_variant=emulate, or engine vllm-cpu / vllm-cpu-eager"
+            f"{on} runs vLLM CPU's cpu_fused_moe and mirrors the vllm-cpu profiles only, not {profile.name}; "
+            f"use {off}, or engine vllm-cpu / vllm-cpu-eager"
         )
     missing = [r for r in ("swiglu", "moe") if r not in regions]
     if missing:
         raise AlignmentError(
-            f"experimental.moe_variant=engine-op replaces the experts (swiglu region) and the combine (moe region) "
-            f"together; add {','.join(missing)} to the regions, or use experimental.moe_variant=emulate"
+            f"{on} replaces the experts (swiglu region) and the combine (moe region) together; add "
+            f"{','.join(missing)} to the regions, or use {off}"
         )
 
 
@@ -237,8 +269,12 @@ def check_model(
     family = get_family(model_type)
     regions = spec.regions
     act = getattr(config, "hidden_act", "silu") if config is not None else "silu"
-    if act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"hidden_act={act!r}: the swiglu region supports silu only")
+    mlp_regions = [r for r in ("swiglu", "moe") if r in regions]  # the regions whose forwards compute silu
+    if mlp_regions and act not in ("silu", "swish"):
+        raise UnsupportedModelError(
+            f"hidden_act={act!r}: the {'/'.join(mlp_regions)} region computes silu only; drop "
+            f"{','.join(mlp_regions)} from the regions"
+        )
     moe = family.experts is not None
     if spec.experimental.compiled_norm and moe:
         dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
@@ -262,7 +298,7 @@ def check_model(
         )
     if tensor_parallel not in (None, 1, "1") and "moe" in regions:
         raise AlignmentError(
-            f"rollout tensor parallel {tensor_parallel} on {model_type}: vLLM splits each expert over the ranks and "
+            f"rollout tensor parallel {tensor_parallel} on {model_type}: the engine splits each expert over the ranks and "
             f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
             f"({SUPPORTED_SPLIT}); use tensor parallel 1 or drop moe from the regions"
         )

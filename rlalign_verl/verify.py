@@ -85,7 +85,8 @@ class VerifyResult:
         return (
             f"verify step {step}: mean |Δlogp| aligned {self.aligned:.4g} vs unaligned {self.unaligned:.4g} nats/token, "
             f"gain {_fmt_gain(self.gain)}x [{_fmt_gain(lo)}, {_fmt_gain(hi)}] ({self.num_seqs} seqs, {self.num_tokens} "
-            f"tokens; exact {self.aligned_exact:.1%} vs {self.unaligned_exact:.1%}): {VERDICT_WORDS[self.verdict]} — {what}"
+            f"tokens; exact {self.aligned_exact:.1%} vs {self.unaligned_exact:.1%}): {VERDICT_WORDS[self.verdict]} "
+            f"(verdicts use the {DECISION_LEVEL:.1%} interval, the bracket is 95%) — {what}"
         )
 
 

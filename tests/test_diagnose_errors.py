@@ -78,6 +78,35 @@ def _write_rollouts_dir(tmp, model):
     return ["--write-rollouts", str(tmp / "dir")]
 
 
+def _dump_with(tmp, model, prompt, response, logprobs):
+    d = _dump(tmp / "d.jsonl", model)
+    head = d.read_text().splitlines()[0]
+    sample = {"prompt_ids": prompt, "response_ids": response, "response_logprobs": logprobs}
+    d.write_text(head + "\n" + json.dumps(sample) + "\n")
+    return ["--rollout-logprobs", str(d), "--model", str(model)]
+
+
+def _extreme_logprob(tmp, model):
+    return _dump_with(tmp, model, [10, 11], [5, 6, 7], [-1.0, -1e300, -0.5])
+
+
+def _infinite_logprob(tmp, model):
+    d = _dump_with(tmp, model, [10, 11], [5, 6], [-1.0, -0.5])
+    path = Path(d[1])
+    path.write_text(path.read_text().replace("-0.5", "-Infinity"))
+    return d
+
+
+def _beyond_context(tmp, model):
+    config = json.loads((model / "config.json").read_text())
+    n = config["max_position_embeddings"]
+    return _dump_with(tmp, model, [10] * n, [5, 6], [-1.0, -0.5])
+
+
+def _dump_and(*flags):
+    return lambda t, m: [*_dump_with(t, m, [10, 11], [5, 6], [-1.0, -0.5]), *flags]
+
+
 CASES = {
     "num-prompts 0": (lambda t, m: ["--num-prompts", "0"], ["--num-prompts", ">= 1"]),
     "max-tokens 0": (lambda t, m: ["--max-tokens", "0"], ["--max-tokens", ">= 1"]),
@@ -93,6 +122,24 @@ CASES = {
     "dump from another checkpoint": (_other_checkpoint, ["another checkpoint", "'llama'", "pass --model"]),
     "no tokenizer": (_no_tokenizer, ["has no tokenizer", "tokenizer files"]),
     "truncated config.json": (_truncated_config, ["cannot read", "config.json"]),
+    "dump log-prob -1e300": (
+        _extreme_logprob,
+        ["'response_logprobs'[1] = -1e+300", "smallest positive float32", ":2:"],
+    ),
+    "dump log-prob -inf": (_infinite_logprob, ["'response_logprobs'[1] = -inf", "finite number <= 0"]),
+    "dump beyond the context": (
+        _beyond_context,
+        ["more than the model's context", "max_position_embeddings"],
+    ),
+    "dump with --seeds": (_dump_and("--seeds", "4"), ["--seeds", "drop --seeds", "--rollout-logprobs"]),
+    "dump with --num-prompts/--temperature": (
+        _dump_and("--num-prompts", "8", "--temperature", "0.5"),
+        ["--num-prompts, --temperature", "the dump's own"],
+    ),
+    "dump with --write-rollouts": (
+        _dump_and("--write-rollouts", "x.jsonl"),
+        ["--write-rollouts", "drop one"],
+    ),
 }
 
 

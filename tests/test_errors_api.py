@@ -142,6 +142,7 @@ LIGER_SCRIPT = textwrap.dedent(
         ("rope", True, True, "liger_kernel"),  # Liger norms/MLPs around an aligned RoPE change the rest too
     ],
 )
+@pytest.mark.slow
 def test_liger_repatching_after_alignment_is_detected(regions, rms_norm, swiglu, fragment):
     pytest.importorskip("liger_kernel")
     script = LIGER_SCRIPT.format(cfg=CFG, regions=regions, rms_norm=rms_norm, swiglu=swiglu)

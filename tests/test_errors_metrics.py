@@ -31,6 +31,23 @@ BAD = {
     "shapes differ": ((Z, torch.zeros(2, 4), ONES), {}, "got (2, 3), (2, 4) and (2, 3)"),
     "complex log-probs": ((Z.to(torch.complex64), Z, ONES), {}, "pass real log-probs"),
     "meta tensor": ((torch.zeros(2, 3, device="meta"), Z, ONES), {}, "holding data"),
+    # well-typed but impossible: refused, never counted (a 0.5 / -1 / NaN mask entry is not "a response token")
+    "mask 0.5": ((Z, Z, torch.full((2, 3), 0.5)), {}, "response_mask has 6 value(s) other than 0 and 1"),
+    "mask -1": ((Z, Z, -ONES), {}, "other than 0 and 1"),
+    "mask NaN": ((Z, Z, torch.tensor([[1.0, math.nan, 1.0]] * 2)), {}, "2 value(s) other than 0 and 1"),
+    "integer mask 2": ((Z, Z, torch.full((2, 3), 2)), {}, "other than 0 and 1"),
+    "integer log-probs": ((Z.long(), Z, ONES), {}, "train_log_probs is a int64 tensor"),
+    "bool log-probs": ((Z, Z.bool(), ONES), {}, "rollout_log_probs is a bool tensor"),
+    "positive log-probs 1e4": (
+        (torch.tensor([[1e4, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2)),
+        {},
+        "train_log_probs has values up to 1e+04 > 0",
+    ),  # fmt: skip
+    "probabilities, not log-probs": (
+        (Z - 0.5, torch.full((2, 3), 0.7), ONES),
+        {},
+        "rollout_log_probs has values up to 0.7",
+    ),
 }
 
 
@@ -47,13 +64,19 @@ def test_bad_metric_input_is_a_typed_one_line_error(case):
 # Hostile but well-typed values: every output value finite, statistics still right where representable.
 EXTREME = {
     "float64 -1e200 vs 0": (torch.tensor([[-1e200, -0.5]], dtype=torch.float64), torch.tensor([[0.0, -0.5]])),
-    "float64 +-1e308 (difference overflows)": (
+    "float64 -1e308 vs 0 (the square overflows)": (
         torch.tensor([[-1e308, 0.0]], dtype=torch.float64),
-        torch.tensor([[1e308, 0.0]], dtype=torch.float64),
+        torch.tensor([[0.0, 0.0]], dtype=torch.float64),
     ),
-    "positive log-probs 1e4": (torch.tensor([[1e4, 0.0]]), torch.tensor([[0.0, 0.0]])),
-    "float32 max": (torch.tensor([[torch.finfo(torch.float32).max, 0.0]]), torch.tensor([[-1.0, 0.0]])),
+    "-float32 max": (torch.tensor([[-torch.finfo(torch.float32).max, 0.0]]), torch.tensor([[-1.0, 0.0]])),
 }
+
+
+def test_positive_values_outside_the_mask_are_ignored():
+    """Padding may hold anything: only response tokens must be log-probs."""
+    train = torch.tensor([[-0.5, 7.0]])
+    out = compute_mismatch_metrics(train, torch.tensor([[-0.4, 3.0]]), torch.tensor([[1, 0]]))
+    assert out["mismatch/num_tokens"] == 1 and out["mismatch/logp_abs_diff_mean"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("case", list(EXTREME))

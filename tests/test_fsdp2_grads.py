@@ -19,10 +19,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROFILES = ("hf", "vllm-eager", "sglang", "vllm-cpu-eager", "vllm", "vllm-cpu")
 WORLD = 2
 
 
+@pytest.mark.slow
 def test_fsdp2_gradients_equal_unsharded_for_every_carry_kind(tmp_path) -> None:
     out_file = tmp_path / "grads.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")

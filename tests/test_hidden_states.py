@@ -14,6 +14,8 @@ import weakref
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import rlalign_verl.forwards as forwards
@@ -142,7 +144,10 @@ def test_nothing_outlives_a_forward(checkpointing: bool) -> None:
     with torch.no_grad():
         model(IDS)
     gc.collect()
-    assert len(refs) == (3 if checkpointing else 2)  # the recompute saw the first forward's carry again
+    # transformers < 5.23 recomputes a checkpointed layer through the module's __call__ (its pre-hook sees the
+    # first forward's carry again); >= 5.23 checkpoints inside the class's forward, where no module hook runs
+    recompute_runs_hooks = Version(transformers.__version__) < Version("5.23")
+    assert len(refs) == (3 if checkpointing and recompute_runs_hooks else 2)
     assert all(r() is None for r in refs)
 
 

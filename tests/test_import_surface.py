@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import rlalign_verl
 
 PACKAGE = Path(rlalign_verl.__file__).resolve().parent
@@ -174,6 +176,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
 """
 
 
+@pytest.mark.slow
 def test_worker_path_loads_neither_vllm_nor_matplotlib():
     proc = subprocess.run(
         [sys.executable, "-c", _WORKER % (HEAVY,)], capture_output=True, text=True, timeout=300, check=False

@@ -18,7 +18,7 @@ import pytest
 from rlalign_verl.regions.compiled import inductor_available
 
 _OK, _WHY = inductor_available()
-pytestmark = pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")]
 REGIONS = ("rope", "swiglu", "rmsnorm")
 
 

@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["instance", "class"])
 def test_liger_patched_model_is_refused(mode: str) -> None:
     out = subprocess.run(

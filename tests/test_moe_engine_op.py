@@ -171,7 +171,8 @@ def test_aligned_model_runs_the_engines_router_and_op(kind: str, profile: str) -
 # --- refusals: one line each, naming the fix; no vLLM needed -------------------------------------------------
 
 REFUSED = {
-    "cuda profile": (dict(engine="vllm", regions=MOE, unverified="moe"), "experimental.moe_variant=emulate"),
+    # the Python keyword as the caller spells it
+    "cuda profile": (dict(engine="vllm", regions=MOE, unverified="moe"), "use moe_variant='emulate'"),
     "sglang": (dict(engine="sglang", regions=("rope", "rmsnorm")), "vllm-cpu profiles only"),
     "hf profile": (dict(engine="hf", regions=MOE), "vllm-cpu profiles only"),
     "moe without swiglu": (dict(engine="vllm-cpu", regions=("rope", "rmsnorm", "moe")), "add swiglu"),

@@ -279,6 +279,7 @@ def test_bad_input_errors() -> None:
     assert get_alignment(model) is None, "a failed apply must leave the model untouched"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_compiled_regions_are_bit_identical_to_eager(engine: str) -> None:
     """``compile=True`` (Inductor-compiled SwiGLU and RoPE) must not move a single bit of the logits or

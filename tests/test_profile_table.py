@@ -1,4 +1,4 @@
-"""The profile table in README.md and docs/engine-profiles.md is the one rendered from profiles.py."""
+"""The profile table in docs/engine-profiles.md is the one rendered from profiles.py."""
 
 from __future__ import annotations
 

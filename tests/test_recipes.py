@@ -208,3 +208,27 @@ def test_verl_rejection_fails_the_check():
     )
     with pytest.raises((AssertionError, ValueError)):
         verl_accepts(cfg)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "words"),
+    [
+        ({"STEPS": "0"}, "STEPS=0 is not a whole number >= 1"),
+        ({"BATCH": "-1"}, "BATCH=-1 is not a whole number >= 1"),
+        ({"STEPS": "abc"}, "STEPS=abc"),
+        ({"N": "2.5"}, "N=2.5"),
+        ({"RESPONSE_LEN": "24x"}, "RESPONSE_LEN=24x"),
+        ({"LR": "nan"}, "LR=nan is not a positive number"),
+        ({"LR": "-1e-6"}, "LR=-1e-6"),
+        ({"LOGGERS": "console,mlflw"}, "LOGGERS has 'mlflw'"),
+    ],
+)
+def test_tiny_cpu_recipe_names_a_bad_knob_before_anything_starts(knobs, words, tmp_path):
+    """Checked in the first lines of the script: nothing is built, no Ray starts (a ~40 s wait otherwise)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, **knobs)
+    out = subprocess.run(["bash", str(ROOT / "recipes" / "grpo_tiny_cpu.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[rlalign-verl] ERROR") and words in lines[0], out.stderr
+    assert not (tmp_path / "out").exists()  # nothing was built

@@ -31,6 +31,7 @@ class _Images(HTMLParser):
         self.text.append(data)
 
 
+@pytest.mark.slow
 def test_report_compares_jsonl_and_tensorboard_runs(tmp_path, monkeypatch, capsys):
     import matplotlib.image
 
@@ -144,6 +145,7 @@ def test_bad_input_gives_clear_error(tmp_path, capsys, setup, words):
     assert err.startswith("[rlalign-verl] ERROR AlignmentError: ") and words in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_impossible_values_and_truncated_event_files_are_said(tmp_path, monkeypatch, capsys):
     """Bad data is dropped and named on stderr and on the page, never plotted silently."""
     bad = tmp_path / "bad.jsonl"

@@ -7,7 +7,10 @@ failure. The report of the real GRPO run is rendered the same way in ``test_grpo
 
 from __future__ import annotations
 
+import pytest
 from browser import artifacts_dir, check_rendered, need_browser, render
+
+pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject markers)
 
 
 def test_report_renders_in_chromium(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.verl
 def _inputs(seed: int = 0, scale: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     rollout = -torch.rand(6, 20, generator=g, dtype=torch.float64) * 4  # log-probs in (-4, 0]
-    train = rollout + scale * torch.randn(6, 20, generator=g, dtype=torch.float64)
+    # a log-prob stays <= 0 (the metrics refuse positive ones)
+    train = (rollout + scale * torch.randn(6, 20, generator=g, dtype=torch.float64)).clamp(max=0.0)
     mask = torch.ones(6, 20)
     mask[1, 12:] = 0
     mask[4, 3:] = 0

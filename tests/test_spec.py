@@ -8,6 +8,7 @@ driver validates), OpenRLHF's ``--alignment.*`` flags (``flag``: the launcher's 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,6 +201,15 @@ def test_no_env_var_overrides_what_the_request_says(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("RLALIGN_UNVERIFIED", "moe")
     spec = AlignmentSpec.parse(regions="rope", engine="vllm")
     assert spec.experimental.kernels == "torch" and spec.experimental.unverified == ()
+    # ... and a retired variable left set is refused before anything is patched, naming the setting that replaced it
+    for name, fix in (("RLALIGN_TRITON", "kernels=triton"), ("RLALIGN_UNVERIFIED", "unverified=[moe]")):
+        with pytest.raises(ConfigFormatError) as info:
+            spec.validate()
+        assert one_line(info.value).count(name) == 1 and f"alignment.experimental.{fix}" in one_line(
+            info.value
+        )
+        monkeypatch.delenv(name)
+    assert spec.validate() is not None
 
 
 def test_diagnose_settings_parse_through_the_spec() -> None:
@@ -291,6 +301,11 @@ VALIDATE = {
         {"model_type": "gpt2"},
         "not supported",
     ),
+    "gelu MLP with swiglu": (
+        {"regions": ["rope", "swiglu"], "engine": "vllm"},
+        {"model_type": "qwen2", "model_config": SimpleNamespace(hidden_act="gelu")},
+        "computes silu only; drop swiglu",
+    ),
     "lm_head in the class form": (
         {"regions": "lm_head", "engine": "vllm"},
         {"class_form": True},
@@ -315,3 +330,22 @@ def test_validate_moves_an_auto_profile_to_the_device() -> None:
     with pytest.raises(ProfileMismatchError):
         AlignmentSpec.parse({"regions": "rope", "engine": "vllm"}).validate(device="cpu")
     assert AlignmentSpec().validate() is None  # alignment off: nothing to check
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--alignment.verify.every", "10", "--alignment.verify", "off"],
+        ["--alignment.verify", "off", "--alignment.verify.every", "10"],
+    ],
+)
+def test_a_flag_and_its_sub_flags_conflict_in_either_order(argv: list[str]) -> None:
+    """Neither order silently drops a setting (``verify off`` after ``verify.every 10`` would erase it)."""
+    with pytest.raises(ConfigFormatError, match="conflicts with"):
+        parse_launcher_args([*argv, "--alignment.regions", "rope"])
+
+
+def test_a_non_silu_mlp_is_fine_when_its_regions_are_off() -> None:
+    """Only the regions that compute silu (swiglu, moe) care about the activation."""
+    spec = AlignmentSpec.parse({"regions": ["rope", "rmsnorm"], "engine": "vllm"})
+    assert spec.validate(model_type="qwen2", model_config=SimpleNamespace(hidden_act="gelu")).name == "vllm"

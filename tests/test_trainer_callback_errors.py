@@ -39,11 +39,34 @@ def _broken_batches():
 @pytest.mark.parametrize(
     "case", ["missing rollout_log_probs", "shape mismatch", "no mask", "not a DataProto"]
 )
-def test_broken_input_warns_and_returns_nothing(base_config, warnings_log, case):
+def test_broken_input_warns_once_and_returns_nothing(base_config, warnings_log, case, monkeypatch):
+    from rlalign_verl import log
+
+    monkeypatch.setattr(log, "_warned", set())
     batch, words = _broken_batches()[case]
-    assert tc.step_mismatch_metrics(batch, base_config) == {}
+    for _ in range(3):  # every step has the problem: the steps go on, the warning is said once
+        assert tc.step_mismatch_metrics(batch, base_config) == {}
     messages = [r.getMessage() for r in warnings_log.records if r.levelno == logging.WARNING]
-    assert len(messages) == 1 and "skipped for this step" in messages[0] and words in messages[0]
+    assert len(messages) == 1 and "mismatch metrics skipped" in messages[0] and words in messages[0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [("response_mask", 0.5, "other than 0 and 1"), ("old_log_probs", 0.7, "values up to 0.7")],
+)
+def test_impossible_values_skip_the_metrics_not_the_step(
+    base_config, warnings_log, monkeypatch, field, value, words
+):
+    """A refused input (a soft mask, probabilities for log-probs) never reaches the dashboard as numbers."""
+    from rlalign_verl import log
+
+    monkeypatch.setattr(log, "_warned", set())
+    data = step_tensors(3)
+    data["old_log_probs"] = train_log_probs(data["rollout_log_probs"], 3)
+    data[field] = torch.full_like(data[field], value, dtype=torch.float32)
+    assert tc.step_mismatch_metrics(DataProto.from_dict(data), base_config) == {}
+    messages = [r.getMessage() for r in warnings_log.records if r.levelno == logging.WARNING]
+    assert len(messages) == 1 and words in messages[0], messages
 
 
 def test_all_nan_step_warns_and_logs_only_counts(base_config, warnings_log):

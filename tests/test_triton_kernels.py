@@ -23,6 +23,8 @@ from rlalign_verl.regions._precision import rnd  # noqa: E402
 from rlalign_verl.regions.rope import apply_rope, rope_table  # noqa: E402
 from rlalign_verl.regions.swiglu import swiglu  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject markers)
+
 # Runs in a child with TRITON_INTERPRET=1; prints one JSON line with every comparison.
 _INTERPRETED = textwrap.dedent(
     """

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject markers)
+
 PROFILES = ("vllm", "vllm-cpu", None)  # None: unaligned baseline
 
 

@@ -36,7 +36,7 @@ SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def sample(device: str, arch: str, prompts: int, tokens: int, seed: int, out_dir: Path) -> tuple:
     """``(model_dir, config, rollouts)`` sampled by the installed engine on ``device`` (compiled, default)."""
     from .resolve import check_model
-    from .rollouts import read_rollouts
+    from .rollouts import model_limits, read_rollouts
     from .runner import EngineJob, run_engine_jobs
     from .tiny import build_tiny_checkpoint, tiny_prompts
 
@@ -48,7 +48,7 @@ def sample(device: str, arch: str, prompts: int, tokens: int, seed: int, out_dir
     if device == "cuda":
         os.environ["VLLM_TARGET_DEVICE"] = "cuda"  # the engine child runs vLLM's CUDA build
     run_engine_jobs([job], log_path=out_dir / "e2e_engine.log")
-    _, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    _, rollouts = read_rollouts(dump, **model_limits(config))
     return model_dir, config, rollouts
 
 
@@ -106,14 +106,14 @@ def problems_of(rows: dict[str, dict[str, Any]]) -> list[str]:
 def reuse(dump: Path, arch: str) -> tuple:
     """``(model_dir, config, rollouts)`` from an earlier step's dump of the same tiny ``arch`` model."""
     from .resolve import check_model
-    from .rollouts import check_model_identity, read_rollouts
+    from .rollouts import check_model_identity, model_limits, read_rollouts
     from .tiny import build_tiny_checkpoint
 
     model_dir = build_tiny_checkpoint(arch)
     config, _ = check_model(model_dir)
     header, _ = read_rollouts(dump)
     check_model_identity(dump, header, model_dir)  # one-line error when the dump is of another model
-    _, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    _, rollouts = read_rollouts(dump, **model_limits(config))
     return model_dir, config, rollouts
 
 

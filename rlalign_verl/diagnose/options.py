@@ -60,7 +60,26 @@ class DiagnoseOptions:
             from .head import check_head_option
 
             check_head_option(self.engine_head_dtype)
+        if self.rollout_logprobs:  # the dump's own samples are used: a sampling option would be ignored
+            ignored = [
+                f"--{n.replace('_', '-')}" for n in SAMPLING_OPTIONS if getattr(self, n) != _DEFAULTS[n]
+            ]
+            if ignored:
+                raise AlignmentError(
+                    f"{', '.join(ignored)} set how the engine samples, but --rollout-logprobs reads samples made "
+                    f"elsewhere (the dump's own); drop {', '.join(ignored)}, or drop --rollout-logprobs to sample here"
+                )
+            if self.write_rollouts:
+                raise AlignmentError(
+                    "--write-rollouts writes the engine's samples, but --rollout-logprobs samples nothing here; "
+                    "drop one of them"
+                )
         return parse_settings(self.settings)
+
+
+SAMPLING_OPTIONS = ("num_prompts", "max_tokens", "seeds", "temperature")
+"""Options that only shape the engine's sampling here; meaningless with a dump (``--rollout-logprobs``)."""
+_DEFAULTS = {f.name: f.default for f in fields(DiagnoseOptions)}
 
 
 def parse_settings(text: str) -> list[tuple[str, tuple[str, ...]]]:

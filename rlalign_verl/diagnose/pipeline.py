@@ -34,7 +34,7 @@ class Sample:
 
 def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint."""
-    from .rollouts import RolloutFormatError, check_model_identity, read_rollouts
+    from .rollouts import RolloutFormatError, check_model_identity, model_limits, read_rollouts
     from .tiny import build_tiny_checkpoint
 
     dump = Path(opts.rollout_logprobs)
@@ -52,7 +52,7 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     model_dir = Path(model) if model else build_tiny_checkpoint(opts.tiny or "qwen2")
     config, _ = check_model(model_dir)
     check_model_identity(dump, header_only, model_dir)
-    header, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    header, rollouts = read_rollouts(dump, **model_limits(config))
     profile = profile_for_dump(opts.engine, header, dump)
     return Sample(model_dir, config, profile, header, rollouts, "dump", dump)
 
@@ -60,7 +60,7 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
 def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict) -> Sample:
     """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process)."""
     from .head import engine_hf_overrides
-    from .rollouts import read_rollouts
+    from .rollouts import model_limits, read_rollouts
     from .runner import EngineJob, run_engine_jobs
     from .tiny import build_tiny_checkpoint, tiny_prompts
 
@@ -91,7 +91,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
     with stage(f"generate {n}x{opts.max_tokens} tokens with {dist[0]} {dist[1]} ({profile.name})"):
         run_engine_jobs([job], log_path=out_dir / "engine.log")
     timing["engine_s"] = time.time() - t
-    header, rollouts = read_rollouts(dump, vocab_size=config.vocab_size)
+    header, rollouts = read_rollouts(dump, **model_limits(config))
     return Sample(model_dir, config, profile, header, rollouts, "engine", dump)
 
 

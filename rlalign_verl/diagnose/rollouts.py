@@ -124,14 +124,31 @@ def _check_ids(path: Path, line: int, name: str, ids: Any, vocab_size: int | Non
     return ids
 
 
-def _check_logprobs(path: Path, line: int, name: str, vals: Any, allow_none_first: bool) -> list:
+LOWEST_SAMPLED_LOGPROB = math.log(2.0**-149)
+"""ln of the smallest positive float32 (-103.28): engines compute log-probs in float32, and a token they
+sampled had a probability above 0 there, so its log-prob is finite and at least this."""
+LOWEST_FLOAT32 = -3.4028234663852886e38
+
+
+def _check_logprobs(path: Path, line: int, name: str, vals: Any, sampled: bool) -> list:
+    """Finite numbers <= 0; sampled tokens' at least :data:`LOWEST_SAMPLED_LOGPROB` (prompt tokens were not
+    sampled: any float32 value, the first one may be None)."""
     if not isinstance(vals, list):
         raise _fail(path, line, f"'{name}' must be a list of numbers")
+    lowest = LOWEST_SAMPLED_LOGPROB if sampled else LOWEST_FLOAT32
     for j, v in enumerate(vals):
-        if v is None and allow_none_first and j == 0:
+        if v is None and not sampled and j == 0:
             continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v > 1e-6:
-            raise _fail(path, line, f"'{name}'[{j}] = {v!r} is not a log-probability (a number <= 0)")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v > 1e-6:
+            raise _fail(path, line, f"'{name}'[{j}] = {v!r} is not a log-probability (a finite number <= 0)")
+        if v < lowest:
+            why = (
+                f"below {lowest:.5g}, the log of the smallest positive float32: no engine samples a token that "
+                "improbable"
+                if sampled
+                else "not a float32 number, as engines compute log-probs"
+            )
+            raise _fail(path, line, f"'{name}'[{j}] = {v!r} is {why} (a corrupt or mis-scaled dump?)")
     return [None if v is None else float(v) for v in vals]
 
 
@@ -188,7 +205,7 @@ def _parse_header(path: Path, line: str) -> RolloutHeader:
     return RolloutHeader(**{k: v for k, v in head.items() if k in fields})
 
 
-def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Rollout:
+def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None, max_len: int | None) -> Rollout:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -204,7 +221,14 @@ def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Roll
         raise _fail(path, n, "'prompt_ids' is empty")
     if not resp:
         raise _fail(path, n, "'response_ids' is empty")
-    lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], False)
+    if max_len is not None and len(prompt) + len(resp) > max_len:
+        raise _fail(
+            path,
+            n,
+            f"prompt + response are {len(prompt)} + {len(resp)} tokens, more than the model's context of {max_len} "
+            "(max_position_embeddings): not a rollout of this model",
+        )
+    lps = _check_logprobs(path, n, "response_logprobs", obj["response_logprobs"], sampled=True)
     if len(lps) != len(resp):
         raise _fail(
             path,
@@ -213,7 +237,7 @@ def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Roll
         )
     plp = obj.get("prompt_logprobs")
     if plp is not None:
-        plp = _check_logprobs(path, n, "prompt_logprobs", plp, True)
+        plp = _check_logprobs(path, n, "prompt_logprobs", plp, sampled=False)
         if len(plp) != len(prompt):
             raise _fail(
                 path,
@@ -223,8 +247,19 @@ def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None) -> Roll
     return Rollout(prompt, resp, lps, plp)
 
 
-def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[RolloutHeader, list[Rollout]]:
-    """Read and validate a dump. ``vocab_size`` (the model's) checks that every token id fits.
+def model_limits(config: Any) -> dict[str, int | None]:
+    """``read_rollouts`` keywords from a model config: its vocabulary and context length."""
+    return {
+        "vocab_size": getattr(config, "vocab_size", None),
+        "max_len": getattr(config, "max_position_embeddings", None),
+    }
+
+
+def read_rollouts(
+    path: str | Path, *, vocab_size: int | None = None, max_len: int | None = None
+) -> tuple[RolloutHeader, list[Rollout]]:
+    """Read and validate a dump. ``vocab_size`` / ``max_len`` (the model's vocabulary and context) check that
+    every token id fits and every sample is within the context.
 
     Raises :class:`RolloutFormatError` naming the file, line and problem.
     """
@@ -232,7 +267,9 @@ def read_rollouts(path: str | Path, *, vocab_size: int | None = None) -> tuple[R
     lines = _read_lines(path)
     header = _parse_header(path, lines[0])
     rollouts = [
-        _parse_sample(path, n, text, vocab_size) for n, text in enumerate(lines[1:], start=2) if text.strip()
+        _parse_sample(path, n, text, vocab_size, max_len)
+        for n, text in enumerate(lines[1:], start=2)
+        if text.strip()
     ]
     if not rollouts:
         raise RolloutFormatError(f"{path} has a header but no samples")

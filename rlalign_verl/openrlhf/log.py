@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from ..log import visible_logger
+from .. import log
 
-logger = visible_logger("rlalign_verl.openrlhf")
-
-_warned: set[str] = set()
+logger = log.visible_logger("rlalign_verl.openrlhf")
 
 
 def warn_once(message: str) -> None:
-    """Log ``message`` as a warning the first time it is seen in this process."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
+    """Log ``message`` as a warning the first time its kind is seen in this process (:func:`log.warn_once`)."""
+    log.warn_once(logger, message)

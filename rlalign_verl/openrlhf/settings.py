@@ -11,7 +11,8 @@ The alignment request is the same :class:`~rlalign_verl.spec.AlignmentSpec` verl
 ``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
 ``--alignment.verify.<key>``  the in-run A/B (``every``, ``max_seqs``, ``on_worse``, ``enable`` ...; see verl's).
 ``--alignment.experimental.<key>``  attention, compiled_norm, moe_variant, kernels, compile, unverified,
-                         metrics_quantiles (docs/openrlhf.md).
+                         metrics_quantiles, untested_versions (docs/openrlhf.md; head_dtype goes with lm_head,
+                         which OpenRLHF refuses).
 ``--alignment.collect_rollout_logprobs``  true | false: measure-only mode, make vLLM return the rollout
                          log-probs without turning on OpenRLHF's IS correction (the loss is unchanged). Default false.
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
@@ -254,6 +255,10 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], str | None, list[st
                         raise ConfigFormatError(
                             f"{name} conflicts with {FLAG_PREFIX}{part}; give one of them"
                         )
+                if isinstance(node.get(leaf), dict):  # --alignment.verify after --alignment.verify.every
+                    raise ConfigFormatError(
+                        f"{name} conflicts with the {name}.* flags before it; give one of them"
+                    )
                 node[leaf] = value
         else:
             rest.append(arg)

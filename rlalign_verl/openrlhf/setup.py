@@ -70,7 +70,7 @@ def install(settings: Settings | None = None) -> Settings | None:
     _verifier, _steps = None, 0  # a new run's verification starts over
     if settings.regions:
         when_imported("openrlhf.models.actor", _patch_actor)
-    if settings.metrics:
+    if settings.metrics or settings.regions:  # the metrics, and the in-run verification of an aligned run
         when_imported(
             "openrlhf.trainer.ppo_utils.experience_maker",
             _guarded("the mismatch metrics", _patch_experience_maker),

@@ -75,14 +75,17 @@ def _warn_about_rollout_logprobs(options: LaunchOptions) -> None:
     s = options.settings
     argv = options.openrlhf_argv
     engines = flag_value(argv, settings_mod.VLLM_ENGINES_FLAGS)
-    if s.metrics and (engines is None or engines is True or str(engines).strip() in ("0", "")):
+    needs = s.metrics or bool(s.regions)  # the metrics, and the in-run verification of an aligned run
+    if needs and (engines is None or engines is True or str(engines).strip() in ("0", "")):
         warn_once(
-            "no vLLM engines (--vllm.num_engines): there are no rollout log-probs, so no mismatch/* metrics"
+            "no vLLM engines (--vllm.num_engines): there are no rollout log-probs, so no mismatch/* metrics "
+            "and no in-run verification"
         )
-    elif s.metrics and not s.collect_rollout_logprobs and not rollout_logprobs_requested(argv):
+    elif needs and not s.collect_rollout_logprobs and not rollout_logprobs_requested(argv):
         warn_once(
-            "rollout log-probs are not collected (OpenRLHF's IS correction is off), so no mismatch/* metrics; "
-            "add --alignment.collect_rollout_logprobs true to measure without changing the loss"
+            "rollout log-probs are not collected (OpenRLHF's IS correction is off), so no mismatch/* metrics "
+            "and no in-run verification; add --alignment.collect_rollout_logprobs true to measure without "
+            "changing the loss"
         )
 
 

@@ -63,7 +63,7 @@ def start(settings: Settings) -> Verifier | None:
     except Exception as err:  # an unreadable fact: treat the engine as unverified
         fp, name, unverified = EngineFingerprint(ROLLOUT, None, "unknown", "unknown"), str(spec.engine), True
         logger.warning("cannot read the rollout engine's fingerprint (%s): verifying at step 1", err)
-    return Verifier.start(spec, name, fp, unverified, logger)
+    return Verifier.start(spec, name, fp, unverified, logger, spelling="flag")
 
 
 def _subsample(experiences: Sequence[Any], cap: int, actors: int) -> list[Any]:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from rlalign_verl.log import warn_once
 from rlalign_verl.options import option_bool
 from rlalign_verl.spec import AlignmentSpec
 from rlalign_verl.verl.log import logger as _plugin_logger
@@ -189,8 +190,8 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
                 out["mismatch/nonfinite_tokens"],
             )
         return loggable(out)
-    except Exception as exc:  # never stop training
-        logger.warning("mismatch metrics skipped for this step: %s: %s", type(exc).__name__, exc)
+    except Exception as exc:  # never stop training; say each kind of problem once, not every step
+        warn_once(logger, f"mismatch metrics skipped ({type(exc).__name__}: {exc}); training continues")
         return {}
 
 

@@ -19,6 +19,7 @@ under ``on_worse=stop`` stops the run before the update with one line naming the
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -177,11 +178,20 @@ def v1_verify(run: Verifier, trainer: Any, batch: Any, *, bypass: bool) -> dict[
     return run.record(step, result, ladder)
 
 
+SECONDS_KEY = "mismatch/verify/seconds"
+"""Wall time of the verify step's extra work (the passes and the comparison): its cost next to timing_s/step."""
+
+
 def guarded(run: Verifier, fn: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
-    """``fn(...)``; a verdict that stops the run propagates, any other failure warns and gives ``{}``."""
+    """``fn(...)`` and its wall time; a verdict that stops the run propagates, any other failure warns and gives
+    ``{}``."""
     try:
+        start = time.perf_counter()
         out = fn(*args, **kwargs)
-        return {k: v for k, v in out.items() if math.isfinite(v)}
+        out = {k: v for k, v in out.items() if math.isfinite(v)}
+        if out:
+            out[SECONDS_KEY] = time.perf_counter() - start
+        return out
     except VerifyFailedError:
         raise
     except Exception as err:  # never stop training for a metric

@@ -282,7 +282,10 @@ def test_verify_pass_on_real_actors(plugin_ray, openrlhf_args, policy_group, rol
     samples, _ = rollout
     maker = RemoteExperienceMaker(policy_group, None, None, None, FixedKLController(0.0),
                                   get_strategy(openrlhf_args), AutoTokenizer.from_pretrained(str(tiny_qwen2)))  # fmt: skip
-    with plugin_settings(plugin_ray), pytest.raises(VerifyFailedError, match="on_worse=warn"):
+    with (
+        plugin_settings(plugin_ray),
+        pytest.raises(VerifyFailedError, match="--alignment.verify.on_worse warn"),
+    ):
         maker.make_experience_batch([s for s in samples])
     warn = type(plugin_ray)(plugin_ray.spec.replace(verify={"on_worse": "warn", "ladder": True}), True)
     with plugin_settings(warn):

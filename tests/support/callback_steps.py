@@ -66,7 +66,8 @@ def step_tensors(seed: int, n: int = 6, prompt_len: int = 3, resp_len: int = 8) 
     lengths = torch.randint(1, resp_len + 1, (n,), generator=g)
     lengths[0] = resp_len
     response_mask = (torch.arange(resp_len)[None, :] < lengths[:, None]).long()
-    rollout = -torch.rand(n, resp_len, generator=g) * 3 * response_mask
+    # log-probs in [-3.4, -0.4): the trainer's perturbation (at most +0.3) keeps them log-probs (<= 0)
+    rollout = -(0.4 + torch.rand(n, resp_len, generator=g) * 3) * response_mask
     prompts = torch.randint(3, 50, (n, prompt_len), generator=g)
     responses = torch.randint(3, 50, (n, resp_len), generator=g) * response_mask
     attention_mask = torch.cat([torch.ones(n, prompt_len, dtype=torch.long), response_mask], dim=1)

@@ -1,0 +1,401 @@
+"""Is it rounding or a bug? Per-step signatures of the train-vs-rollout gap, and verdicts that name the cause.
+
+With ``Δ = logp_train - logp_rollout`` per valid response token, :func:`signatures` returns
+``mismatch/doctor/<name>``:
+
+- ``bias`` (+ ``bias_lo``/``bias_hi``, 95% bootstrap over sequences): mean signed Δ, nats per token;
+- ``abs_mean``: mean |Δ|; ``bias_share``: ``|bias| / abs_mean`` (rounding: near 0; a one-sided offset: 1);
+- ``share_above_0p1`` / ``share_above_1``: share of tokens with |Δ| above 0.1 / 1 nat; ``exact_share``: Δ == 0;
+- ``pos_share``: share of Δ > 0 among nonzero Δ (rounding: about 0.5);
+- ``corr_prob``: Pearson correlation of Δ with the rollout probability ``exp(logp_rollout)``;
+  ``abs_corr_prob``: of |Δ| with it (rounding: |Δ| larger where the distribution is flat); ``corr_logprob``:
+  of Δ with the mean log-prob ``(logp_train + logp_rollout) / 2``, i.e. ``(Var train - Var rollout)``
+  normalised: one side sharper than the other (a temperature), 0 for rounding and for a shifted token;
+  each absent when one side is constant;
+- ``dup_rate`` / ``dup_groups`` (given ``uid`` and ``responses``): share of sequences identical to another of
+  their group, share of groups (of 2 or more) whose sequences are all identical;
+- ``num_tokens``, ``num_seqs``, ``nonfinite_tokens``: the sample (only these when no token is valid).
+
+:class:`GapTrend` adds ``gap_growth`` (+ ``_lo``/``_hi``, ``gap_growth_rel``); :func:`diagnose_signature` turns a
+signature into plain-language lines, one per cause that is *not* rounding; :class:`Doctor` does both per step.
+Precision: every sum runs in float64 (float32 on MPS, which has no float64), over row chunks so that memory
+stays bounded for ``[4096, 8192]`` batches; the raw moments behind a correlation lose about
+``log10(mean^2 / var)`` of float64's 16 digits, and a variance below 1e-12 of the second moment counts as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .errors import MetricsInputError
+from .metrics import MAX_LOG_PROB, sorted_quantiles
+
+__all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
+
+PREFIX = "mismatch/doctor/"
+N_BOOT = 1000
+LEVEL = 0.95
+CHUNK_ELEMENTS = 1 << 22
+"""Tokens per chunk of rows: bounds the float64 temporaries (about 32 MiB each)."""
+
+# Verdict thresholds; docs/reading-a-mismatch.md says where each sits and why.
+MIN_TOKENS, MIN_SEQS = 100, 8
+BIAS_FLOOR = 1e-3
+"""nats/token: a smaller bias moves an importance weight by under 0.1% per token."""
+BIAS_SHARE, ONE_SIDED_SHARE = 0.5, 0.8
+SCALE_CORR = 0.3
+HEAVY_SHARE = 0.05
+DUP_SHARE = 0.5
+GROWTH_REL = 0.5
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)  # fmt: skip
+"""Student t 97.5% quantiles for 1..30 degrees of freedom."""
+
+
+def _fail(msg: str) -> MetricsInputError:
+    return MetricsInputError(f"doctor.signatures: {msg}")
+
+
+def _check(train: Any, rollout: Any, mask: Any, uid: Any, responses: Any) -> None:
+    for name, value in (("old_log_probs", train), ("rollout_log_probs", rollout), ("response_mask", mask)):
+        if not isinstance(value, torch.Tensor) or value.is_complex() or value.device.type == "meta":
+            raise _fail(
+                f"{name} is a {type(value).__name__}, not a real tensor with data; pass the batch tensor"
+            )
+    shapes = [tuple(train.shape), tuple(rollout.shape), tuple(mask.shape)]
+    if len(set(shapes)) != 1 or train.ndim != 2:
+        raise _fail(
+            f"needs old_log_probs, rollout_log_probs, response_mask of one [batch, response_len] shape, got {shapes}"
+        )
+    if not (train.is_floating_point() and rollout.is_floating_point()):
+        raise _fail("log-probs must be floating point; pass per-token log-probs, not token ids")
+    bad = int((~((mask == 0) | (mask == 1))).sum())
+    if bad:
+        raise _fail(f"response_mask has {bad} value(s) other than 0 and 1; pass a 0/1 or bool mask")
+    if (uid is None) != (responses is None):
+        raise _fail("give uid and responses together (the group-duplicate rate needs both), or neither")
+    if responses is None:
+        return
+    if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != shapes[0]:
+        got = tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__
+        raise _fail(f"responses must be the {shapes[0]} token-id tensor (batch['responses']), got {got}")
+    if responses.is_floating_point() or responses.is_complex():
+        raise _fail(f"responses is {responses.dtype}; pass the token ids (batch['responses'])")
+    if isinstance(uid, str | bytes) or not hasattr(uid, "__len__") or len(uid) != shapes[0][0]:
+        n = len(uid) if hasattr(uid, "__len__") else type(uid).__name__
+        raise _fail(
+            f"uid must hold one group id per sequence ({shapes[0][0]}), got {n}; pass non_tensor_batch['uid']"
+        )
+
+
+def _moments(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype):
+    """One pass over row chunks: per-sequence (count, sum Δ), global sums, nonfinite count, largest log-prob."""
+    rows = max(1, CHUNK_ELEMENTS // train.shape[1])
+    bound = torch.finfo(dtype).max ** 0.25  # |Δ| <= bound keeps every sum of squares finite
+    n_seq, s_seq, tops, totals = [], [], [], None
+    for r0 in range(0, train.shape[0], rows):
+        t, r = train[r0 : r0 + rows].to(dtype), rollout[r0 : r0 + rows].to(dtype)
+        m = mask[r0 : r0 + rows] != 0
+        v = m & torch.isfinite(t) & torch.isfinite(r)
+        d = torch.where(v, t - r, 0.0).clamp(-bound, bound)
+        mid = torch.where(v, (t + r) / 2, 0.0).clamp(-bound, bound)
+        p = torch.where(v, r.clamp(max=0.0).exp(), 0.0)
+        a = d.abs()
+        n_seq.append(v.to(dtype).sum(1))
+        s_seq.append(d.sum(1))
+        tops.append(torch.where(v, torch.maximum(t, r), -math.inf).amax())
+        sums = torch.stack([(m & ~v).sum().to(dtype), a.sum(), (a > 0.1).sum().to(dtype), (a > 1.0).sum().to(dtype),
+                            (d > 0).sum().to(dtype), (d != 0).sum().to(dtype), (d * d).sum(), p.sum(), (p * p).sum(),
+                            (d * p).sum(), mid.sum(), (mid * mid).sum(), (d * mid).sum(), (a * p).sum()])  # fmt: skip
+        totals = sums if totals is None else totals + sums
+    return torch.cat(n_seq), torch.cat(s_seq), totals, torch.stack(tops).amax()
+
+
+def _corr(sxy: float, sx: float, sy: float, sxx: float, syy: float, n: float) -> float | None:
+    cov = sxy / n - (sx / n) * (sy / n)
+    vx, vy = sxx / n - (sx / n) ** 2, syy / n - (sy / n) ** 2
+    if vx <= 1e-12 * sxx / n or vy <= 1e-12 * syy / n:
+        return None  # constant (within float64) on one side: no correlation to speak of
+    return max(-1.0, min(1.0, cov / math.sqrt(vx * vy)))
+
+
+def _bootstrap(s: torch.Tensor, n: torch.Tensor, seed: int, n_boot: int) -> tuple[float, float]:
+    """95% percentile interval of ``sum(s) / sum(n)`` resampling sequences (tokens of one are not independent)."""
+    s, n = s.to("cpu", torch.float64), n.to("cpu", torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    block, draws = max(1, CHUNK_ELEMENTS // s.numel()), []
+    for b0 in range(0, n_boot, block):
+        idx = torch.randint(0, s.numel(), (min(block, n_boot - b0), s.numel()), generator=gen)
+        draws.append(s[idx].sum(1) / n[idx].sum(1))
+    lo, hi = sorted_quantiles(torch.cat(draws), ((1 - LEVEL) / 2, (1 + LEVEL) / 2)).tolist()
+    return float(lo), float(hi)
+
+
+def _duplicates(uid: Any, responses: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Rows equal to another row of their group: a two-word hash buckets them, an exact comparison confirms."""
+    index: dict[Any, int] = {}
+    keys = [u.item() if hasattr(u, "item") else u for u in uid]  # numpy/torch scalars -> hashable
+    groups = torch.tensor([index.setdefault(k, len(index)) for k in keys], device=responses.device)
+    has = (mask != 0).any(1)
+    ids, groups = responses.long().masked_fill(mask == 0, -1)[has], groups[has]
+    if ids.shape[0] == 0:
+        return {}
+    weights = torch.randint(-(2**62), 2**62, (2, ids.shape[1]), generator=torch.Generator().manual_seed(0))
+    rows = max(1, CHUNK_ELEMENTS // ids.shape[1])
+    # int64 products and sums wrap modulo 2**64: two independent linear hashes of each row
+    h = torch.cat([torch.stack([(c * w).sum(1) for w in weights.to(ids.device)], 1) for c in ids.split(rows)])
+    _, bucket, count = torch.unique(
+        torch.cat([groups[:, None], h], 1), dim=0, return_inverse=True, return_counts=True
+    )
+    own = torch.arange(ids.shape[0], device=ids.device)
+    rep = torch.full_like(count, ids.shape[0]).scatter_reduce(0, bucket, own, "amin")[
+        bucket
+    ]  # bucket's first row
+    same = torch.cat([(c == ids[r]).all(1) for c, r in zip(ids.split(rows), rep.split(rows), strict=True)])
+    dup = same & (rep != own)  # equal to its bucket's first row: a hash collision fails this exact test
+    dup = dup.index_fill(0, rep[dup], True)  # and that first row is a duplicate too
+    size = torch.bincount(groups, minlength=len(index))
+    distinct = torch.bincount(groups[~dup | (rep == own)], minlength=len(index))
+    out = {"dup_rate": float(dup.double().mean())}
+    if bool((size >= 2).any()):
+        out["dup_groups"] = float((distinct[size >= 2] == 1).double().mean())
+    return out
+
+
+def signatures(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    uid: Any = None,
+    responses: torch.Tensor | None = None,
+    seed: int = 0,
+    n_boot: int = N_BOOT,
+    prefix: str = PREFIX,
+) -> dict[str, float]:
+    """The ``mismatch/doctor/*`` signature of one step (see the module docstring); finite floats only.
+
+    ``uid`` (one GRPO group id per sequence, e.g. ``batch.non_tensor_batch['uid']``) and ``responses`` (the
+    ``[B, T]`` token ids) add the duplicate rates. Raises :class:`MetricsInputError` on malformed inputs.
+    """
+    _check(old_log_probs, rollout_log_probs, response_mask, uid, responses)
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
+        raise _fail(f"n_boot={n_boot!r}: give an int >= 100 (default {N_BOOT})")
+    device = old_log_probs.device
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    train, rollout = old_log_probs.detach(), rollout_log_probs.detach().to(device)
+    mask = response_mask.detach().to(device)
+    if train.numel() == 0:
+        return {f"{prefix}{k}": 0.0 for k in ("num_tokens", "num_seqs", "nonfinite_tokens")}
+    n_seq, s_seq, totals, top = _moments(train, rollout, mask, dtype)
+    nonfinite, sa, n01, n1, npos, nz, sdd, sp, spp, sdp, sm, smm, sdm, sap = totals.tolist()  # one transfer
+    keep = n_seq > 0
+    n_tok, n_seqs = float(n_seq.sum()), int(keep.sum())
+    out = {"num_tokens": n_tok, "num_seqs": float(n_seqs), "nonfinite_tokens": nonfinite}
+    if n_tok == 0:
+        return {prefix + k: float(v) for k, v in out.items()}
+    if float(top) > MAX_LOG_PROB:
+        raise _fail(f"log-probs up to {float(top):.4g} > 0 on response tokens; pass log-probs, not logits")
+    sd = float(s_seq.sum())
+    bias, abs_mean = sd / n_tok, sa / n_tok
+    lo, hi = _bootstrap(s_seq[keep], n_seq[keep], seed, n_boot) if n_seqs > 1 else (bias, bias)
+    out.update(bias=bias, bias_lo=lo, bias_hi=hi, abs_mean=abs_mean, share_above_0p1=n01 / n_tok,
+               share_above_1=n1 / n_tok, exact_share=1.0 - nz / n_tok)  # fmt: skip
+    out["bias_share"] = abs(bias) / abs_mean if abs_mean > 0 else 0.0
+    if nz > 0:
+        out["pos_share"] = npos / nz
+    corrs = {"corr_prob": _corr(sdp, sd, sp, sdd, spp, n_tok), "corr_logprob": _corr(sdm, sd, sm, sdd, smm, n_tok),
+             "abs_corr_prob": _corr(sap, sa, sp, sdd, spp, n_tok)}  # fmt: skip
+    out.update({k: v for k, v in corrs.items() if v is not None})
+    if responses is not None:
+        out.update(_duplicates(uid, responses.detach().to(device), mask))
+    return {prefix + k: float(v) for k, v in out.items() if math.isfinite(v)}
+
+
+def _get(sig: dict[str, float], name: str) -> float | None:
+    value = sig.get(PREFIX + name, sig.get(name))
+    return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+_LINES = {
+    "bias": "systematic bias {bias:+.3g} nats/token (95% [{bias_lo:+.3g}, {bias_hi:+.3g}], {bias_share:.0%} of mean "
+    "|Δ|) — not rounding{why}",
+    "two_sided": " (rounding is symmetric): the sides score different distributions; negative (its mean is -KL) fits "
+    "rollout weights lagging the trainer (async rollouts, a skipped weight sync: see mismatch/doctor/gap_growth), "
+    "positive a penalty or logit processor only the rollout applies",
+    "positive": ": the trainer gives nearly every sampled token more probability than the rollout reports, which "
+    "neither sampling noise nor a stale policy can do (their expected Δ is -KL <= 0): the rollout's log-probs include "
+    "what the trainer does not apply (a repetition/presence penalty, a logit bias or processor)",
+    "filters": ": matches sampling with top_p/top_k while the rollout reports processed log-probs, renormalised over "
+    "the kept tokens, so Δ = log(kept mass) <= 0 ({filters} in this run){fix}",
+    "negative": ": the rollout's log-probs exceed the trainer's on nearly every token: a truncated sampling "
+    "distribution (top_p/top_k/min_p) reported as processed log-probs{temp_too}{fix}",
+    "fix": "; fix: sample training rollouts with top_p=1, top_k=-1 (filters belong in rollout.val_kwargs), or "
+    "acknowledge the truncated behaviour policy",
+    "temperature": "one side is sharper: Δ moves with the token's log-prob (corr {corr_logprob:+.2f}, mean |Δ| "
+    "{abs_mean:.3g} nats) — not rounding (rounding leaves the spread of log-probs alone): matches a temperature "
+    "applied on one side only{temp_here}: the {sharp} side has the sharper distribution (the lower temperature), or "
+    "rollout weights lagging a sharpening policy; fix: one temperature on both sides (verl divides the trainer's "
+    "logits by actor_rollout_ref.rollout.temperature, so vLLM must report logprobs_mode=processed_logprobs)",
+    "tails": "heavy tails: {share_above_1:.1%} of tokens differ by more than 1 nat ({share_above_0p1:.1%} by more "
+    "than 0.1; mean |Δ| {abs_mean:.3g}) — not rounding (rounding moves a log-prob by ~1e-2 nats): the trainer scores "
+    "other tokens or another model than the rollout sampled with: a one-token shift or a wrong response_mask, a "
+    "re-tokenised multi-turn history{multi}, rollout weights not synced (stale, or load_format=dummy), or MoE "
+    "routing flips without routing replay",
+    "duplicates": "{dup_rate:.0%} of sequences are identical to another of their group{groups} — not numerics: a "
+    "fixed per-request sampling seed or greedy decoding (temperature=0, do_sample=False) repeats the group's samples; "
+    "give each sample its own seed (ignore this when answers are legitimately short and repeat)",
+    "growth": "the gap grows: mean |Δ| rises {gap_growth:+.3g} nats/token per step (95% [{gap_growth_lo:+.3g}, "
+    "{gap_growth_hi:+.3g}], {gap_growth_rel:+.0%} over the window) — rounding at a fixed model state does not grow: "
+    "rollout weights lag the trainer (async or partial rollouts, a failed or skipped weight sync); if the policy "
+    "sharpens fast, compare a step at learning rate 0",
+}
+
+
+def _context_words(context: dict[str, Any]) -> dict[str, str]:
+    """The run-specific fragments of the lines: active filters, a temperature other than 1, multi-turn."""
+    num = {k: v for k, v in context.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    top_p, top_k, temp = num.get("top_p", 1), num.get("top_k", -1), num.get("temperature", 1)
+    filters = ", ".join([f"top_p={top_p:g}"] * (top_p < 1) + [f"top_k={top_k:g}"] * (top_k > 0))
+    return {
+        "filters": filters,
+        "fix": _LINES["fix"],
+        "temp_too": f", or temperature={temp:g} applied on the rollout's side only" if temp != 1 else "",
+        "temp_here": f" (temperature={temp:g} in this run)" if temp != 1 else " (or a logit scale/soft-cap)",
+        "multi": " (multi-turn is on in this run)" if context.get("multi_turn") else "",
+    }
+
+
+def findings(sig: dict[str, float], context: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """``(cause, line)`` per cause ``sig`` shows; cause is bias, temperature, tails, duplicates or growth."""
+    names = ("num_tokens", "num_seqs", "abs_mean", "bias", "bias_lo", "bias_hi", "bias_share", "corr_logprob",
+             "share_above_1", "share_above_0p1", "dup_rate", "gap_growth", "gap_growth_lo", "gap_growth_hi",
+             "gap_growth_rel")  # fmt: skip
+    v = {k: _get(sig, k) for k in names}
+    s = {k: 0.0 if x is None else x for k, x in v.items()}
+    words, out = _context_words(dict(context or {})), []
+    if s["num_tokens"] >= MIN_TOKENS and s["num_seqs"] >= MIN_SEQS and s["abs_mean"] > 0:
+        biased = (s["bias_lo"] > 0 or s["bias_hi"] < 0) and abs(s["bias"]) >= BIAS_FLOOR
+        biased = biased and s["bias_share"] >= BIAS_SHARE
+        one_sided = biased and s["bias_share"] >= ONE_SIDED_SHARE
+        scaled = not one_sided and abs(s["corr_logprob"]) >= SCALE_CORR and s["abs_mean"] >= BIAS_FLOOR
+        if one_sided or (biased and not scaled):
+            why = "positive" if s["bias"] > 0 else ("filters" if words["filters"] else "negative")
+            why = _LINES[why if one_sided else "two_sided"].format(**words)
+            out.append(("bias", _LINES["bias"].format(why=why, **s)))
+        elif scaled:
+            sharp = "trainer's" if s["corr_logprob"] > 0 else "rollout's"
+            out.append(("temperature", _LINES["temperature"].format(sharp=sharp, **words, **s)))
+        if s["share_above_1"] >= HEAVY_SHARE and not (one_sided or scaled):
+            out.append(
+                ("tails", _LINES["tails"].format(**words, **s))
+            )  # an offset/temperature explains its tails
+    if s["dup_rate"] >= DUP_SHARE:
+        g = _get(sig, "dup_groups")
+        groups = (
+            "" if g is None else f" ({g:.0%} of groups entirely identical: zero GRPO advantage, no gradient)"
+        )
+        out.append(("duplicates", _LINES["duplicates"].format(groups=groups, **s)))
+    if v["gap_growth_lo"] is not None and s["gap_growth_lo"] > 0 and s["gap_growth_rel"] >= GROWTH_REL:
+        out.append(("growth", _LINES["growth"].format(**s)))
+    return out
+
+
+def diagnose_signature(sig: dict[str, float], *, context: dict[str, Any] | None = None) -> list[str]:
+    """Plain-language lines, one per cause in ``sig`` that is not rounding; ``[]`` for a rounding signature.
+
+    ``context``: the run's sampling settings, e.g. ``{"top_p": 0.8, "top_k": -1, "temperature": 1.0,
+    "multi_turn": False}`` (``rlalign_verl.verl.doctor_config.doctor_context``), used to name the likely cause.
+    """
+    return [line for _, line in findings(sig, context)]
+
+
+def _t975(df: int) -> float:
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df)  # Cornish-Fisher: within 0.003 of the exact quantile beyond 30
+
+
+class GapTrend:
+    """Mean |Δ| over the last ``window`` steps and its growth per step (least-squares slope, 95% t interval).
+
+    ``gap_growth`` is in nats/token per step; ``gap_growth_rel`` is the fitted change across the window divided by
+    the window's mean gap. A repeated step replaces its value; a step going back (a resumed run) starts afresh.
+    """
+
+    def __init__(self, window: int = 20, min_points: int = 5, prefix: str = PREFIX) -> None:
+        if not (isinstance(window, int) and isinstance(min_points, int) and 3 <= min_points <= window):
+            raise ValueError(f"GapTrend needs ints 3 <= min_points <= window, got {min_points}, {window}")
+        self.window, self.min_points, self.prefix = window, min_points, prefix
+        self.points: list[tuple[float, float]] = []
+
+    def update(self, step: int, abs_mean: float) -> dict[str, float]:
+        """Add one step's mean |Δ|; the ``gap_growth*`` keys once ``min_points`` steps are in (else ``{}``)."""
+        if not math.isfinite(abs_mean):
+            return {}
+        if self.points and step <= self.points[-1][0]:
+            self.points = self.points[:-1] if step == self.points[-1][0] else []
+        self.points = [*self.points, (float(step), float(abs_mean))][-self.window :]
+        n = len(self.points)
+        if n < self.min_points:
+            return {}
+        xs, ys = [p[0] for p in self.points], [p[1] for p in self.points]
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in self.points) / sxx
+        resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in self.points)
+        half = _t975(n - 2) * math.sqrt(resid / (n - 2) / sxx)
+        rel = slope * (xs[-1] - xs[0]) / my if my > 0 else 0.0
+        out = {
+            "gap_growth": slope,
+            "gap_growth_lo": slope - half,
+            "gap_growth_hi": slope + half,
+            "gap_growth_rel": rel,
+        }
+        return {self.prefix + k: v for k, v in out.items()}
+
+
+class Doctor:
+    """Per-step signature, gap trend and verdict lines; a cause is said again only every ``repeat_every`` steps."""
+
+    def __init__(
+        self, context: dict[str, Any] | None = None, *, window: int = 20, repeat_every: int = 50
+    ) -> None:
+        self.context, self.trend, self.repeat_every = (
+            dict(context or {}),
+            GapTrend(window=window),
+            repeat_every,
+        )
+        self.said: dict[str, int] = {}
+
+    def step(
+        self,
+        step: int,
+        old_log_probs: torch.Tensor,
+        rollout_log_probs: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        uid: Any = None,
+        responses: torch.Tensor | None = None,
+    ) -> tuple[dict[str, float], list[str]]:
+        """``mismatch/doctor/*`` (``findings``: how many causes) and the verdict lines due for logging now."""
+        sig = signatures(
+            old_log_probs, rollout_log_probs, response_mask, uid=uid, responses=responses, seed=step
+        )
+        if PREFIX + "abs_mean" in sig:
+            sig.update(self.trend.update(step, sig[PREFIX + "abs_mean"]))
+        found = findings(sig, self.context)
+        sig[PREFIX + "findings"] = float(len(found))
+        lines = []
+        for cause, line in found:
+            last = self.said.get(cause)
+            if last is None or not 0 <= step - last < self.repeat_every:
+                self.said[cause] = step
+                lines.append(f"step {step}: {line}")
+        return sig, lines
