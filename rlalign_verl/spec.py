@@ -11,6 +11,7 @@ What a user sets::
     engine    auto (from the rollout settings) or a profile name (rlalign-verl profiles)
     metrics   log mismatch/* every step
     verify    the in-run A/B against the rollout engine (VerifySpec)
+    doctor    start-up confounder checks and per-step signatures (DoctorSpec)
     experimental.*   CPU-engine and unverified switches (Experimental)
 
 Torch-free on purpose: drivers parse and validate before anything heavy is imported.
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigFormatError
 from .options import key_name, parse_bool
 from .regions import normalize_regions
+from .spec_values import bad_value, choice, integer, names
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 HEAD_DTYPES: dict[str, str] = {"float32": "float32", "fp32": "float32", "model": "model", "bfloat16": "model",
@@ -36,53 +38,9 @@ KERNELS: tuple[str, ...] = ("torch", "triton")
 UNVERIFIED_NAMES: tuple[str, ...] = ("moe",)
 ON_WORSE: tuple[str, ...] = ("stop", "warn")
 
-DEFAULT_VERIFY_EVERY = 50
+DEFAULT_VERIFY_EVERY = 10
 """Verify at step 1 and every this many steps (benchmarks/verify_cost.py measures the cost)."""
 DEFAULT_VERIFY_MAX_SEQS = 64
-
-
-def _fail(dotted: str, value: Any, want: str, spelling: str) -> ConfigFormatError:
-    shown = value if isinstance(value, str) and spelling != "python" else repr(value)  # as typed on the line
-    sep = "" if spelling == "python" else "="
-    return ConfigFormatError(f"{key_name(dotted, spelling)}{sep}{shown}: {want}")
-
-
-def _choice(
-    value: Any, options: Iterable[str], dotted: str, spelling: str, aliases: Mapping | None = None
-) -> str:
-    text = str(value).strip().lower()
-    table = dict(aliases or {o: o for o in options})
-    if text not in table:
-        raise _fail(dotted, value, f"use one of {', '.join(options)}", spelling)
-    return table[text]
-
-
-def _int(value: Any, dotted: str, spelling: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise _fail(dotted, value, f"give an integer >= {minimum}", spelling)
-    try:
-        number = int(str(value).strip()) if isinstance(value, str) else value
-    except ValueError:
-        raise _fail(dotted, value, f"give an integer >= {minimum}", spelling) from None
-    if not isinstance(number, int) or number < minimum:
-        raise _fail(dotted, value, f"give an integer >= {minimum}", spelling)
-    return number
-
-
-def _names(value: Any, valid: tuple[str, ...], dotted: str, spelling: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        items = value.split(",")
-    elif isinstance(value, Iterable) and not isinstance(value, Mapping | bytes):
-        items = [str(v) for v in value]
-    else:
-        raise _fail(dotted, value, f"give a list of {', '.join(valid)} (or empty)", spelling)
-    names = {v.strip().lower() for v in items} - {"", "none"}
-    unknown = sorted(names - set(valid))
-    if unknown:
-        raise _fail(dotted, value, f"unknown {unknown}; valid: {', '.join(valid)} (or empty)", spelling)
-    return tuple(sorted(names))
 
 
 @dataclass(frozen=True)
@@ -111,6 +69,16 @@ class VerifySpec:
 
 
 @dataclass(frozen=True)
+class DoctorSpec:
+    """ "Is it rounding or a bug?" (:mod:`rlalign_verl.doctor`, :mod:`rlalign_verl.verl.doctor_config`)."""
+
+    enable: bool = True
+    """Start-up confounder checks (verl driver) and ``mismatch/doctor/*`` every step."""
+    allow: tuple[str, ...] = ()
+    """Findings acknowledged: their start-up errors become warnings (``doctor_config.FINDING_KEYS``)."""
+
+
+@dataclass(frozen=True)
 class Experimental:
     """Switches most GPU users never touch: CPU-engine ops, compiled variants, unverified data."""
 
@@ -136,7 +104,8 @@ class Experimental:
 
 _VERIFY_KEYS = tuple(f.name for f in fields(VerifySpec))
 _EXPERIMENTAL_KEYS = tuple(f.name for f in fields(Experimental))
-TOP_KEYS = ("regions", "engine", "metrics", "verify", "experimental")
+_DOCTOR_KEYS = tuple(f.name for f in fields(DoctorSpec))
+TOP_KEYS = ("regions", "engine", "metrics", "verify", "doctor", "experimental")
 """Keys a user writes at the top of the ``alignment`` group (the driver adds :data:`RESOLVED_KEYS`)."""
 RESOLVED_KEYS = ("engine_auto", "rollout")
 MOVED = {k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS}
@@ -153,6 +122,7 @@ class AlignmentSpec:
     :class:`~rlalign_verl.profiles.EngineProfile` object (a user-defined variant: it cannot travel as JSON)."""
     metrics: bool = True
     verify: VerifySpec = field(default_factory=VerifySpec)
+    doctor: DoctorSpec = field(default_factory=DoctorSpec)
     experimental: Experimental = field(default_factory=Experimental)
     engine_auto: bool = False
     """Set by the driver that resolved ``engine=auto``: a worker may move the profile to its device's build."""
@@ -282,6 +252,7 @@ _KEYWORDS = {
     "engine": "engine",
     "metrics": "metrics",
     "verify": "verify",
+    "doctor": "doctor",
     **{k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS},
 }
 """``apply_alignment`` keyword -> spec key (the Python convenience form)."""
@@ -339,10 +310,12 @@ def _section(data: Mapping, name: str, spelling: str) -> dict:
         return {}
     if isinstance(node, str) and name == "verify" and node.strip().lower() in ("off", "false", "on", "true"):
         return {"enable": node}  # alignment.verify=off
-    if isinstance(node, bool) and name == "verify":
+    if isinstance(node, bool) and name in ("verify", "doctor"):
         return {"enable": node}
+    if isinstance(node, str) and name == "doctor" and node.strip().lower() in ("off", "false", "on", "true"):
+        return {"enable": node}  # alignment.doctor=off
     if not isinstance(node, Mapping):
-        raise _fail(
+        raise bad_value(
             name,
             node,
             f"give a mapping of {name} keys, e.g. {key_name(name + '.' + ('every' if name == 'verify' else 'compile'), spelling)}",
@@ -355,6 +328,8 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
     _check_keys(data, TOP_KEYS + RESOLVED_KEYS, "", spelling)
     v = _section(data, "verify", spelling)
     _check_keys(v, _VERIFY_KEYS, "verify.", spelling)
+    d = _section(data, "doctor", spelling)
+    _check_keys(d, _DOCTOR_KEYS, "doctor.", spelling)
     x = _section(data, "experimental", spelling)
     _check_keys(x, _EXPERIMENTAL_KEYS, "experimental.", spelling)
     default_v, default_x = VerifySpec(), Experimental()
@@ -369,20 +344,26 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
 
     verify = VerifySpec(
         enable=flag(v, "enable", default_v.enable, "verify."),
-        every=_int(v.get("every", default_v.every), "verify.every", spelling, 0),
-        max_seqs=_int(v.get("max_seqs", default_v.max_seqs), "verify.max_seqs", spelling, 1),
-        on_worse=_choice(v.get("on_worse", default_v.on_worse), ON_WORSE, "verify.on_worse", spelling),
-        on_worse_later=_choice(
+        every=integer(v.get("every", default_v.every), "verify.every", spelling, 0),
+        max_seqs=integer(v.get("max_seqs", default_v.max_seqs), "verify.max_seqs", spelling, 1),
+        on_worse=choice(v.get("on_worse", default_v.on_worse), ON_WORSE, "verify.on_worse", spelling),
+        on_worse_later=choice(
             v.get("on_worse_later", default_v.on_worse_later), ON_WORSE, "verify.on_worse_later", spelling
         ),
         ladder=flag(v, "ladder", default_v.ladder, "verify."),
         skip_unverified_engine=flag(v, "skip_unverified_engine", default_v.skip_unverified_engine, "verify."),
     )
+    from .verl.doctor_config import FINDING_KEYS  # torch- and verl-free
+
+    doctor = DoctorSpec(
+        enable=flag(d, "enable", True, "doctor."),
+        allow=names(d.get("allow"), FINDING_KEYS, "doctor.allow", spelling),
+    )
     experimental = Experimental(
-        attention=_choice(
+        attention=choice(
             x.get("attention") or default_x.attention, ATTENTION_VARIANTS, "experimental.attention", spelling
         ),  # fmt: skip
-        head_dtype=_choice(
+        head_dtype=choice(
             x.get("head_dtype") or default_x.head_dtype,
             ("float32", "model"),
             "experimental.head_dtype",
@@ -390,18 +371,18 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
             HEAD_DTYPES,
         ),  # fmt: skip
         compiled_norm=flag(x, "compiled_norm", default_x.compiled_norm, "experimental."),
-        moe_variant=_choice(
+        moe_variant=choice(
             x.get("moe_variant") or default_x.moe_variant, MOE_VARIANTS, "experimental.moe_variant", spelling
         ),  # fmt: skip
-        kernels=_choice(x.get("kernels") or default_x.kernels, KERNELS, "experimental.kernels", spelling),
+        kernels=choice(x.get("kernels") or default_x.kernels, KERNELS, "experimental.kernels", spelling),
         compile=flag(x, "compile", default_x.compile, "experimental."),
-        unverified=_names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified", spelling),
+        unverified=names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified", spelling),
         metrics_quantiles=flag(x, "metrics_quantiles", default_x.metrics_quantiles, "experimental."),
         untested_versions=flag(x, "untested_versions", default_x.untested_versions, "experimental."),
     )
     regions_value = _plain(data.get("regions"))
     if isinstance(regions_value, bool | int | float):
-        raise _fail(
+        raise bad_value(
             "regions", regions_value, "give a list of region names, e.g. [rope,swiglu,rmsnorm]", spelling
         )
     from .profiles import EngineProfile, get_profile
@@ -418,6 +399,7 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         if data.get("metrics") is None
         else parse_bool(data["metrics"], name=key_name("metrics", spelling).rstrip("=")),
         verify=verify,
+        doctor=doctor,
         experimental=experimental,
         engine_auto=bool(data.get("engine_auto")) and not (isinstance(engine, str) and engine == "auto"),
         rollout=rollout,

@@ -35,6 +35,7 @@ missing or changed; always one line on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -43,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,18 +113,12 @@ SGL_KERNEL_ABSENT = (
 )
 
 
-def _sibling(name: str) -> types.ModuleType:
-    """``scripts/<name>.py`` (scripts/ is not a package), loaded by path once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
-sdist = _sibling("gpu_bundle_sdist")
+sdist = importlib.import_module("gpu_bundle_sdist")
 Refused = sdist.Refused
 
 

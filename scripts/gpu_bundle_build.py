@@ -23,13 +23,13 @@ Exit 0: built and loaded; 1: the build failed (compiler output above); 2: the bu
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
 import re
 import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +99,9 @@ class BundleError(Exception):
     """The bundle is missing, changed, or lacks what the check needs (a one-line reason)."""
 
 
-def _sibling(name: str) -> types.ModuleType:
-    """``scripts/<name>.py`` (scripts/ is not a package), loaded by path once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
 @dataclass
@@ -134,7 +128,7 @@ class Bundle:
 def open_bundle(path: str | Path) -> Bundle:
     """The bundle at ``path``, every file checked against its MANIFEST sha256 (:class:`BundleError` if not)."""
     path = Path(path)
-    problems = _sibling("gpu_bundle").verify(path)
+    problems = importlib.import_module("gpu_bundle").verify(path)
     if problems:
         raise BundleError(
             f"{path}: not a usable bundle ({len(problems)} problem(s), first: {problems[0]}); "

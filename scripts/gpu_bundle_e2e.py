@@ -14,10 +14,10 @@ step and the MoE router rows, with vLLM's ops from the bundle (:mod:`gpu_bundle_
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +25,12 @@ import torch
 
 from rlalign_verl.diagnose.engine_ops_piecewise import PiecewiseEngineFloor
 
-
-def _sibling(name: str) -> types.ModuleType:
-    """``scripts/<name>.py`` (scripts/ is not a package), loaded by path once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
-natives_mod = _sibling("gpu_bundle_natives")
+natives_mod = importlib.import_module("gpu_bundle_natives")
 BundleError = natives_mod.BundleError
 E2E_MODES = {"vllm": "compiled", "vllm-eager": "eager"}
 """Profile -> the floor mode that runs its engine path."""

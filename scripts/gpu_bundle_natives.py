@@ -21,6 +21,7 @@ import __future__
 import ast
 import builtins
 import dis
+import importlib
 import importlib.util
 import sys
 import textwrap
@@ -32,19 +33,12 @@ from typing import Any
 
 import torch
 
-
-def _sibling(name: str) -> types.ModuleType:
-    """``scripts/<name>.py`` (scripts/ is not a package), loaded by path once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
-build = _sibling("gpu_bundle_build")
+build = importlib.import_module("gpu_bundle_build")
 BundleError = build.BundleError
 
 # --- vLLM's compile settings -----------------------------------------------------------------------------

@@ -10,25 +10,18 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def _sibling(name: str) -> types.ModuleType:
-    """``scripts/<name>.py`` (scripts/ is not a package), loaded by path once."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
 @dataclasses.dataclass
@@ -231,7 +224,7 @@ def make_engines(profiles: list[str], bundle: Any = None) -> tuple[dict[str, Eng
 
 def _bundle_engines(profiles: list[str], bundle: Any) -> tuple[dict[str, Engine], dict[str, str]]:
     """:func:`make_engines` with the bundle's ops (``--bundle``)."""
-    natives = _sibling("gpu_bundle_natives")
+    natives = importlib.import_module("gpu_bundle_natives")
     engines: dict[str, Engine] = {}
     unavailable: dict[str, str] = {}
     for name in profiles:

@@ -27,8 +27,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 # no network there: never wait fo
 export RLALIGN_GPU_BUILD=${RLALIGN_GPU_BUILD:-/tmp/rlalign_gpu_build}
 
 "$py" scripts/gpu_bundle.py --verify "$bundle" || exit 2
-if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_device_check: no CUDA device here (torch.cuda.is_available() is False)" >&2
+if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_device_check: no CUDA device (or no torch) for $py: torch.cuda.is_available() is not True" >&2
     exit 2
 fi
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -73,19 +74,13 @@ BUNDLE: Any = None
 """With ``--bundle``: the engines' ops from the bundle (``gpu_bundle_natives.BundleOps``), no vLLM needed."""
 
 
-def _script(name: str):
-    """``scripts/<name>.py`` (loaded by path: scripts/ is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_SCRIPTS = str(Path(__file__).resolve().parent)
+if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
+    sys.path.insert(0, _SCRIPTS)
 
 
-engines_mod = _script("gpu_check_engines")  # the engine side
-cases = _script("gpu_check_cases")  # the cases and rows
+engines_mod = importlib.import_module("gpu_check_engines")  # the engine side
+cases = importlib.import_module("gpu_check_cases")  # the cases and rows
 Engine, Row, run_cases, kernel_rows = engines_mod.Engine, cases.Row, cases.run_cases, cases.kernel_rows
 # the comparison helpers, here for the tests and callers of this script
 _finish, _norm_variants, _guarded = cases._finish, cases._norm_variants, cases._guarded
@@ -323,7 +318,7 @@ def _add_bundle_args(parser: argparse.ArgumentParser) -> None:
 def _open_bundle(args: argparse.Namespace) -> int | None:
     """Set :data:`BUNDLE` from ``--bundle`` (building its kernels on CUDA); an exit status when that fails."""
     global BUNDLE
-    natives = _script("gpu_bundle_natives")
+    natives = importlib.import_module("gpu_bundle_natives")
     try:
         BUNDLE = natives.prepare(args.bundle, args.device, args.build_dir)
     except natives.BundleError as exc:
@@ -374,7 +369,7 @@ def _bundle_e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str,
     if args.no_e2e or not paths:
         return None
     checked = _checked_profiles(paths, args.device, args.plant)
-    return _script("gpu_bundle_e2e").e2e_step(
+    return importlib.import_module("gpu_bundle_e2e").e2e_step(
         BUNDLE, checked, arch=args.e2e_arch, prompts=args.e2e_prompts, tokens=args.e2e_tokens, seed=args.seed
     )
 
@@ -385,7 +380,7 @@ def _moe_step(device: str) -> dict[str, Any] | None:
     if device != "cuda":
         return None
     if BUNDLE is not None:  # the router from the built topk_softmax; the expert rows need vLLM's fused_moe
-        return _script("gpu_bundle_e2e").moe_step(BUNDLE)
+        return importlib.import_module("gpu_bundle_e2e").moe_step(BUNDLE)
     spec = importlib.util.spec_from_file_location(
         "gpu_moe_check", Path(__file__).with_name("gpu_moe_check.py")
     )

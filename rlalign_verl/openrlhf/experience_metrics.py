@@ -59,12 +59,30 @@ def step_mismatch_metrics(
                 f"{tuple(e.action_log_probs.shape)}, rollout_log_probs {tuple(e.rollout_log_probs.shape)}, "
                 f"action_mask {tuple(e.action_mask.shape)}"
             )
-    train = pad_cat([e.action_log_probs for e in usable], torch.float32)
-    rollout = pad_cat([e.rollout_log_probs for e in usable], torch.float32)
-    mask = pad_cat([e.action_mask for e in usable], torch.float32)
+    train, rollout, mask = step_tensors(usable)
     return compute_mismatch_metrics(
         train, rollout, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
     )
+
+
+def step_tensors(usable: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(trainer log-probs, rollout log-probs, mask)`` of the step, right-padded to one width (float32)."""
+    train = pad_cat([e.action_log_probs for e in usable], torch.float32)
+    rollout = pad_cat([e.rollout_log_probs for e in usable], torch.float32)
+    mask = pad_cat([e.action_mask for e in usable], torch.float32)
+    return train, rollout, mask
+
+
+def step_doctor_metrics(
+    experiences: Sequence[Any], doctor: Any, step: int
+) -> tuple[dict[str, float], list[str]]:
+    """``mismatch/doctor/*`` of one step and the doctor's lines due now (``({}, [])`` without rollout log-probs)."""
+    usable = [e for e in experiences if getattr(e, "rollout_log_probs", None) is not None
+              and getattr(e, "action_log_probs", None) is not None]  # fmt: skip
+    if not usable:
+        return {}, []
+    train, rollout, mask = step_tensors(usable)
+    return doctor.step(step, train, rollout, mask)
 
 
 def attach_metrics(experiences: Sequence[Any], metrics: dict[str, float]) -> None:

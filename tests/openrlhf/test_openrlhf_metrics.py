@@ -164,6 +164,14 @@ def test_experience_path_adds_mismatch_metrics(plugin_ray, openrlhf_args, policy
                 assert value.shape == (batch,) and torch.all(value == value[0])
     got = {k: experiences[0].info[k][0].item() for k in expected}
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # the doctor's signature rides along; its mean |Δ| is the headline gap computed another way
+    doctor = {
+        k: experiences[0].info[k][0].item() for k in experiences[0].info if k.startswith("mismatch/doctor/")
+    }
+    assert {"mismatch/doctor/bias", "mismatch/doctor/bias_lo", "mismatch/doctor/abs_mean"} <= set(doctor)
+    assert doctor["mismatch/doctor/abs_mean"] == pytest.approx(
+        experiences[0].info["mismatch/logp_abs_diff_mean"][0].item(), rel=1e-5
+    )
     assert got["mismatch/logp_abs_diff_max"] > 0  # aligned train vs unaligned "engine" differ
 
     # OpenRLHF's replay path: split per sample, regroup at random, and its per-sample mean

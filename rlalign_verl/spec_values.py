@@ -1,0 +1,57 @@
+"""Reading one value of an alignment request: choices, integers, name lists; the one-line error for a bad one.
+
+The helpers of :meth:`rlalign_verl.spec.AlignmentSpec.parse`; each error names the key as the user wrote it
+(``spelling``: ``hydra``, ``flag`` or ``python``, :func:`rlalign_verl.options.key_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import ConfigFormatError
+from .options import key_name
+
+
+def bad_value(dotted: str, value: Any, want: str, spelling: str) -> ConfigFormatError:
+    shown = value if isinstance(value, str) and spelling != "python" else repr(value)  # as typed on the line
+    sep = "" if spelling == "python" else "="
+    return ConfigFormatError(f"{key_name(dotted, spelling)}{sep}{shown}: {want}")
+
+
+def choice(
+    value: Any, options: Iterable[str], dotted: str, spelling: str, aliases: Mapping | None = None
+) -> str:
+    text = str(value).strip().lower()
+    table = dict(aliases or {o: o for o in options})
+    if text not in table:
+        raise bad_value(dotted, value, f"use one of {', '.join(options)}", spelling)
+    return table[text]
+
+
+def integer(value: Any, dotted: str, spelling: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise bad_value(dotted, value, f"give an integer >= {minimum}", spelling)
+    try:
+        number = int(str(value).strip()) if isinstance(value, str) else value
+    except ValueError:
+        raise bad_value(dotted, value, f"give an integer >= {minimum}", spelling) from None
+    if not isinstance(number, int) or number < minimum:
+        raise bad_value(dotted, value, f"give an integer >= {minimum}", spelling)
+    return number
+
+
+def names(value: Any, valid: tuple[str, ...], dotted: str, spelling: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, Iterable) and not isinstance(value, Mapping | bytes):
+        items = [str(v) for v in value]
+    else:
+        raise bad_value(dotted, value, f"give a list of {', '.join(valid)} (or empty)", spelling)
+    names = {v.strip().lower() for v in items} - {"", "none"}
+    unknown = sorted(names - set(valid))
+    if unknown:
+        raise bad_value(dotted, value, f"unknown {unknown}; valid: {', '.join(valid)} (or empty)", spelling)
+    return tuple(sorted(names))

@@ -1,0 +1,68 @@
+"""The doctor's per-step part in verl's trainer: ``mismatch/doctor/*`` from the step's batch, and its lines.
+
+Runs beside the ``mismatch/*`` metrics (:mod:`.trainer_callback`) on the tensors already in the batch; never
+raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.doctor`
+and docs/reading-a-mismatch.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlalign_verl.log import warn_once
+from rlalign_verl.verl.log import logger as _plugin_logger
+
+logger = _plugin_logger.getChild("doctor")
+
+
+def step_tensors(batch: Any) -> tuple[Any, Any, Any, Any]:
+    """``(old_log_probs, rollout_log_probs, response_mask, tensors)`` of a verl ``DataProto`` step batch.
+
+    The mask is ``response_mask``, else the response part of ``attention_mask``. Raises ``ValueError`` naming
+    what is missing.
+    """
+    tensors = getattr(batch, "batch", None)
+    if tensors is None:
+        raise ValueError(f"expected a verl DataProto with a tensor batch, got {type(batch).__name__}")
+    keys = set(tensors.keys())
+    missing = [k for k in ("old_log_probs", "rollout_log_probs") if k not in keys]
+    if missing:
+        raise ValueError(
+            f"batch has no {' / '.join(missing)} (keys: {sorted(keys)}); "
+            "set actor_rollout_ref.rollout.calculate_log_probs=True"
+        )
+    train, rollout = tensors["old_log_probs"], tensors["rollout_log_probs"]
+    if "response_mask" in keys:
+        mask = tensors["response_mask"]
+    elif "attention_mask" in keys and train.ndim == 2:
+        mask = tensors["attention_mask"][:, -train.shape[-1] :]
+    else:
+        raise ValueError(f"batch has neither response_mask nor attention_mask (keys: {sorted(keys)})")
+    return train, rollout, mask, tensors
+
+
+def start_doctor(config: Any, spec: Any) -> Any:
+    """The run's :class:`~rlalign_verl.doctor.Doctor` (``None`` when the doctor or the metrics are off)."""
+    if not (spec.doctor.enable and spec.metrics):
+        return None
+    from rlalign_verl.doctor import Doctor
+
+    from .doctor_config import doctor_context
+
+    return Doctor(doctor_context(config))
+
+
+def doctor_step(doctor: Any, batch: Any, step: int) -> dict[str, float]:
+    """``mismatch/doctor/*`` of one step batch; logs the verdict lines that are due; ``{}`` on any failure."""
+    try:
+        train, rollout, mask, tensors = step_tensors(batch)
+        uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
+        responses = tensors["responses"] if uid is not None and "responses" in set(tensors.keys()) else None
+        sig, lines = doctor.step(step, train, rollout, mask, uid=uid if responses is not None else None,
+                                 responses=responses)  # fmt: skip
+        for line in lines:
+            logger.warning("doctor: %s", line)
+        return sig
+    except Exception as exc:  # never stop training; say each kind of problem once
+        warn_once(logger, f"mismatch/doctor/* skipped ({type(exc).__name__}: {exc}); training continues")
+        return {}
