@@ -63,7 +63,7 @@ def _child(paths: dict[str, str]) -> None:
 
     from rlalign_verl.patch import apply_alignment, get_alignment
 
-    mesh, mp = init_gloo_fsdp(port_base=29000)
+    mesh, mp = init_gloo_fsdp()
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     results = []
     for arch, path in paths.items():

@@ -7,9 +7,17 @@ imports it as ``support.gloo_fsdp`` (the test file's directory is ``sys.path[0]`
 from __future__ import annotations
 
 import os
+import socket
 
 
-def init_gloo_fsdp(world: int = 1, rank: int = 0, port_base: int = 29500):
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_gloo_fsdp(world: int = 1, rank: int = 0):
     """``(mesh, mp_policy)`` after joining a gloo group of ``world`` ranks (a single rank sets its own env).
 
     The policy is verl's FSDP2 actor setting: bf16 parameters, fp32 gradient reduction, forward inputs cast.
@@ -20,7 +28,7 @@ def init_gloo_fsdp(world: int = 1, rank: int = 0, port_base: int = 29500):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if world == 1:
-        port = str(port_base + os.getpid() % 1000)
+        port = str(free_port())
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", world_size=world, rank=rank)
     mesh = init_device_mesh("cpu", (world,))
