@@ -16,8 +16,9 @@
 # The head node has 2 CPUs and no GPU slot, so the job's driver and verl's TaskRunner may run there, but every
 # actor that asks for a GPU slot (the FSDP workers, the rollout) lands on the worker node. On a CPU-only machine
 # "GPU" is only Ray's resource name for the slot (verl's CPU path asks for it).
-# Ray >= 2.60 uses token authentication: the head writes ~/.ray/auth_token; the worker node and every client
-# need RAY_AUTH_MODE=token (exported here and in submit_ray_job.sh).
+# Ray >= 2.60 uses token authentication: every node and client needs RAY_AUTH_MODE=token (exported here and in
+# submit_ray_job.sh) and the cluster's token. `ray start` does not create one, so `start` first makes sure
+# ~/.ray/auth_token exists (`ray get-auth-token --generate`: kept when present; not with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH set).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "${here}/.." && pwd)
@@ -85,6 +86,9 @@ start)
     fi
     [[ -z "$(in_ns bash -c "$(declare -f listening); BASE_PORT=${BASE_PORT} listening")" ]] \
         || die "ports ${BASE_PORT}..$((BASE_PORT + 99)) are in use; run: bash $0 stop (or set BASE_PORT)"
+    if [[ "${RAY_AUTH_MODE}" == token && -z "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+        "${RAY}" get-auth-token --generate >/dev/null || die "could not create the Ray token (~/.ray/auth_token)"
+    fi
     # the namespace has no other address: torch's gloo and vLLM must not look for one
     export GLOO_SOCKET_IFNAME=lo VLLM_HOST_IP=127.0.0.1
     log=$(mktemp)

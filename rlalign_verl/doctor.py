@@ -17,7 +17,8 @@ With ``Δ = logp_train - logp_rollout`` per valid response token, :func:`signatu
 - ``num_tokens``, ``num_seqs``, ``nonfinite_tokens``: the sample (only these when no token is valid).
 
 :class:`GapTrend` adds ``gap_growth`` (+ ``_lo``/``_hi``, ``gap_growth_rel``); :func:`diagnose_signature` turns a
-signature into plain-language lines, one per cause that is *not* rounding; :class:`Doctor` does both per step.
+signature into plain-language lines, one per cause that is *not* rounding; :class:`Doctor` does both per step and
+adds the multi-turn and token-identity checks of :mod:`rlalign_verl.rounds`.
 Precision: every sum runs in float64 (float32 on MPS, which has no float64), over row chunks so that memory
 stays bounded for ``[4096, 8192]`` batches; the raw moments behind a correlation lose about
 ``log10(mean^2 / var)`` of float64's 16 digits, and a variance below 1e-12 of the second moment counts as 0.
@@ -30,8 +31,10 @@ from typing import Any
 
 import torch
 
+from .doctor_trend import GapTrend
 from .errors import MetricsInputError
 from .metrics import MAX_LOG_PROB, sorted_quantiles
+from .rounds import round_findings, round_metrics
 
 __all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
 
@@ -50,11 +53,6 @@ SCALE_CORR = 0.3
 HEAVY_SHARE = 0.05
 DUP_SHARE = 0.5
 GROWTH_REL = 0.5
-
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)  # fmt: skip
-"""Student t 97.5% quantiles for 1..30 degrees of freedom."""
 
 
 def _fail(msg: str) -> MetricsInputError:
@@ -315,52 +313,6 @@ def diagnose_signature(sig: dict[str, float], *, context: dict[str, Any] | None 
     return [line for _, line in findings(sig, context)]
 
 
-def _t975(df: int) -> float:
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df)  # Cornish-Fisher: within 0.003 of the exact quantile beyond 30
-
-
-class GapTrend:
-    """Mean |Δ| over the last ``window`` steps and its growth per step (least-squares slope, 95% t interval).
-
-    ``gap_growth`` is in nats/token per step; ``gap_growth_rel`` is the fitted change across the window divided by
-    the window's mean gap. A repeated step replaces its value; a step going back (a resumed run) starts afresh.
-    """
-
-    def __init__(self, window: int = 20, min_points: int = 5, prefix: str = PREFIX) -> None:
-        if not (isinstance(window, int) and isinstance(min_points, int) and 3 <= min_points <= window):
-            raise ValueError(f"GapTrend needs ints 3 <= min_points <= window, got {min_points}, {window}")
-        self.window, self.min_points, self.prefix = window, min_points, prefix
-        self.points: list[tuple[float, float]] = []
-
-    def update(self, step: int, abs_mean: float) -> dict[str, float]:
-        """Add one step's mean |Δ|; the ``gap_growth*`` keys once ``min_points`` steps are in (else ``{}``)."""
-        if not math.isfinite(abs_mean):
-            return {}
-        if self.points and step <= self.points[-1][0]:
-            self.points = self.points[:-1] if step == self.points[-1][0] else []
-        self.points = [*self.points, (float(step), float(abs_mean))][-self.window :]
-        n = len(self.points)
-        if n < self.min_points:
-            return {}
-        xs, ys = [p[0] for p in self.points], [p[1] for p in self.points]
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in self.points) / sxx
-        resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in self.points)
-        half = _t975(n - 2) * math.sqrt(resid / (n - 2) / sxx)
-        rel = slope * (xs[-1] - xs[0]) / my if my > 0 else 0.0
-        out = {
-            "gap_growth": slope,
-            "gap_growth_lo": slope - half,
-            "gap_growth_hi": slope + half,
-            "gap_growth_rel": rel,
-        }
-        return {self.prefix + k: v for k, v in out.items()}
-
-
 class Doctor:
     """Per-step signature, gap trend and verdict lines; a cause is said again only every ``repeat_every`` steps."""
 
@@ -383,14 +335,27 @@ class Doctor:
         *,
         uid: Any = None,
         responses: torch.Tensor | None = None,
+        trainer_ids: torch.Tensor | None = None,
+        rollout_ids: torch.Tensor | None = None,
     ) -> tuple[dict[str, float], list[str]]:
-        """``mismatch/doctor/*`` (``findings``: how many causes) and the verdict lines due for logging now."""
+        """``mismatch/doctor/*`` (``findings``: how many causes), per-round ``mismatch/round_{k}/*`` of a multi-turn
+        batch (:mod:`rlalign_verl.rounds`), and the verdict lines due for logging now.
+
+        ``trainer_ids``/``rollout_ids``: the ``[B, T]`` ids the trainer scored at the response positions and the ids
+        the rollout sampled, for ``mismatch/doctor/token_id_mismatch``.
+        """
         sig = signatures(
             old_log_probs, rollout_log_probs, response_mask, uid=uid, responses=responses, seed=step
         )
         if PREFIX + "abs_mean" in sig:
             sig.update(self.trend.update(step, sig[PREFIX + "abs_mean"]))
-        found = findings(sig, self.context)
+        sig.update(round_metrics(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
+                                 rollout_ids=rollout_ids))  # fmt: skip
+        by_round = round_findings(
+            sig
+        )  # other ids or another history explain the batch's bias, slope and tails
+        explained = ("bias", "temperature", "tails") if by_round else ()
+        found = [f for f in findings(sig, self.context) if f[0] not in explained] + by_round
         sig[PREFIX + "findings"] = float(len(found))
         lines = []
         for cause, line in found:

@@ -75,7 +75,7 @@ class DoctorSpec:
     enable: bool = True
     """Start-up confounder checks (verl driver) and ``mismatch/doctor/*`` every step."""
     allow: tuple[str, ...] = ()
-    """Findings acknowledged: their start-up errors become warnings (``doctor_config.FINDING_KEYS``)."""
+    """Findings acknowledged: their start-up errors become warnings (``doctor_findings.FINDING_KEYS``)."""
 
 
 @dataclass(frozen=True)
@@ -353,7 +353,7 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         ladder=flag(v, "ladder", default_v.ladder, "verify."),
         skip_unverified_engine=flag(v, "skip_unverified_engine", default_v.skip_unverified_engine, "verify."),
     )
-    from .verl.doctor_config import FINDING_KEYS  # torch- and verl-free
+    from .doctor_findings import FINDING_KEYS  # torch- and verl-free
 
     doctor = DoctorSpec(
         enable=flag(d, "enable", True, "doctor."),

@@ -60,16 +60,19 @@ def cluster(tmp_path_factory) -> ClusterRun:
     pytest.importorskip("verl")
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("grpo_cluster")
-    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8")
+    # a home of its own, as on a fresh machine: no ~/.ray/auth_token, no caches (the script makes the token)
+    home = tmp_path_factory.mktemp("fresh_home")
+    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8",
+                 HOME=str(home))  # fmt: skip
     overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true"]
-    with LocalCluster(ROOT, recipe_env()) as local:
+    with LocalCluster(ROOT, recipe_env(HOME=str(home))) as local:
         run = local.submit("recipes/grpo_tiny_cpu.sh", overrides, recipe_env(**knobs), out)
         # a job that fails inside the cluster (a bad region name, refused by the job's driver)
         bad = dict(knobs, OUT=str(out / "bad"))
         run.failed = local.submit(
             "recipes/grpo_tiny_cpu.sh", ["alignment.regions=[ropee]"], recipe_env(**bad), out / "bad"
         ).job
-    run.stop = local.stopped
+    run.stop, run.home = local.stopped, home
     assert run.job.returncode == 0, run.job.stderr[-5000:]
     return run
 
@@ -168,6 +171,11 @@ def test_a_job_that_fails_in_the_cluster_says_why_in_the_submitting_terminal(clu
 
 def test_the_cluster_is_stopped_without_leftovers(cluster):
     assert cluster.stop.returncode == 0, cluster.stop.stderr
+
+
+def test_the_cluster_made_its_own_ray_token_on_a_fresh_home(cluster):
+    token = cluster.home / ".ray" / "auth_token"  # Ray 2.60's `ray start` refuses to start without one
+    assert token.is_file() and len(token.read_text().strip()) >= 32
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,13 @@ FLAG_TABLE: dict[str, tuple[str, ...]] = {
     "model_path": ("--actor.model_name_or_path", "--pretrain"),
     "eps_clip": ("--actor.eps_clip", "--eps_clip"),
     "eps_clip_low_high": ("--actor.eps_clip_low_high", "--eps_clip_low_high"),
+    # read by the start-up confounder checks (rlalign_verl/openrlhf/doctor_flags.py)
+    "top_p": ("--rollout.top_p", "--top_p"),
+    "rollout_micro_batch_size": ("--rollout.micro_batch_size", "--micro_rollout_batch_size"),
+    "train_micro_batch_size": ("--train.micro_batch_size", "--micro_train_batch_size"),
+    "async_enable": ("--train.async_enable", "--async_train"),
+    "partial_rollout_enable": ("--train.partial_rollout_enable",),
+    "agent_func_path": ("--train.agent_func_path", "--agent_func_path"),
 }
 
 # a setting that a later release replaced by another one (the on/off switch became a level)

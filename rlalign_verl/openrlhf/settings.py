@@ -11,7 +11,10 @@ The alignment request is the same :class:`~rlalign_verl.spec.AlignmentSpec` verl
 ``--alignment.metrics``  true | false: log ``train/mismatch/*`` every step (default true).
 ``--alignment.verify.<key>``  the in-run A/B (``every``, ``max_seqs``, ``on_worse``, ``enable`` ...; see verl's).
 ``--alignment.doctor.enable``  true | false: ``mismatch/doctor/*`` every step and a line when the gap is not
-                         rounding (docs/reading-a-mismatch.md). Default true.
+                         rounding (docs/reading-a-mismatch.md); at launch, OpenRLHF flags that confound the gap
+                         (top-p with collected log-probs, async training, agent rollouts, unequal micro batches)
+                         are named, and an error stops the launch. Default true.
+``--alignment.doctor.allow``  comma list of finding keys whose start-up error becomes a warning (e.g. top_p_top_k).
 ``--alignment.experimental.<key>``  attention, compiled_norm, moe_variant, kernels, compile, unverified,
                          metrics_quantiles, untested_versions (docs/openrlhf.md; head_dtype goes with lm_head,
                          which OpenRLHF refuses).

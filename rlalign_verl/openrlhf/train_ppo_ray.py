@@ -89,6 +89,18 @@ def _warn_about_rollout_logprobs(options: LaunchOptions) -> None:
         )
 
 
+def _check_confounders(options: LaunchOptions) -> None:
+    """OpenRLHF flags that make the gap something other than rounding: errors stop here, warnings are logged."""
+    spec = options.settings.spec
+    if not spec.doctor.enable:
+        return
+    from .doctor_flags import check
+
+    collect = options.settings.collect_rollout_logprobs
+    for line in check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow):
+        logger.warning("doctor: %s", line)
+
+
 def _print_help() -> None:
     print(
         "rlalign-verl options (the rest are openrlhf.cli.train_ppo_ray's, below):\n"
@@ -108,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             options = parse_launcher_args(argv)
             logger.info("%s (profile: %s)", options.settings.describe(), options.profile_reason)
             _warn_about_rollout_logprobs(options)
+            _check_confounders(options)
             init_ray(options.settings, options.address)
     sys.argv = [OPENRLHF_MODULE.replace(".", "/") + ".py", *options.openrlhf_argv]
     runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import AlignmentError
+from ..doctor_findings import FINDING_KEYS, DoctorConfigError, Finding, raise_or_lines, settle
 from ..options import option_bool
 from .cfg import select
 
@@ -35,32 +34,6 @@ ROLLOUT, ACTOR, CORRECTION = (
     "algorithm.rollout_correction",
 )
 ALLOW_KEY = "alignment.doctor.allow"
-FINDING_KEYS: tuple[str, ...] = (
-    "logprobs_mode",
-    "top_p_top_k",
-    "temperature",
-    "calculate_log_probs",
-    "micro_batch",
-    "async_staleness",
-    "multi_turn",
-    "routing_replay",
-    "dtype",
-    "quantization",
-)
-"""Every key a :class:`Finding` can carry (and ``alignment.doctor.allow`` can list)."""
-
-
-class DoctorConfigError(AlignmentError):
-    """A verl setting that makes the rollout log-probs feed a wrong ratio into the loss, not acknowledged."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One confounder: ``key`` (one of :data:`FINDING_KEYS`), ``severity`` ("error" | "warn"), ``line``."""
-
-    key: str
-    severity: str
-    line: str
 
 
 def _num(config: Any, key: str, default: float | None = None) -> float | None:
@@ -252,40 +225,12 @@ def confounders(config: Any, allow: Iterable[str] = ()) -> list[Finding]:
 
     Raises :class:`DoctorConfigError` when ``allow`` names a key that is not in :data:`FINDING_KEYS`.
     """
-    allowed = _allowed(allow)
     ctx = doctor_context(config)
     fixes = _corrections(config)
     found = _sampling(ctx, fixes) + _batching(config) + _pipeline(config, ctx, fixes) + _weights(config)
-    out = []
-    for f in found:
-        if f.severity == "error" and f.key in allowed:
-            f = replace(f, severity="warn", line=f"{f.line} (acknowledged in {ALLOW_KEY})")
-        elif f.severity == "error":
-            f = replace(f, line=f"{f.line}; or acknowledge it: {ALLOW_KEY}=[{f.key}]")
-        out.append(f)
-    return out
-
-
-def _allowed(allow: Iterable[str] | None) -> set[str]:
-    if allow is None:
-        return set()
-    if isinstance(allow, str) or not isinstance(allow, Iterable):
-        raise DoctorConfigError(
-            f"{ALLOW_KEY} is {allow!r}; give a list of finding keys, e.g. {ALLOW_KEY}=[top_p_top_k]"
-        )
-    names = [str(a) for a in allow]
-    unknown = [a for a in names if a not in FINDING_KEYS]
-    if unknown:
-        raise DoctorConfigError(
-            f"{ALLOW_KEY} names {unknown}, not finding keys; use some of {list(FINDING_KEYS)}"
-        )
-    return set(names)
+    return settle(found, allow, ALLOW_KEY, ALLOW_KEY + "=[{key}]")
 
 
 def check(config: Any, allow: Iterable[str] = ()) -> list[str]:
     """Raise :class:`DoctorConfigError` with the first unacknowledged error's line; else the warning lines."""
-    found = confounders(config, allow)
-    errors = [f for f in found if f.severity == "error"]
-    if errors:
-        raise DoctorConfigError(errors[0].line)
-    return [f.line for f in found]
+    return raise_or_lines(confounders(config, allow))

@@ -1,5 +1,8 @@
 """The doctor's per-step part in verl's trainer: ``mismatch/doctor/*`` from the step's batch, and its lines.
 
+Multi-turn batches (verl's agent loop) also get per-round ``mismatch/round_{k}/*``, and every batch the
+token-identity share ``mismatch/doctor/token_id_mismatch`` (``input_ids``' response part vs ``responses``).
+
 Runs beside the ``mismatch/*`` metrics (:mod:`.trainer_callback`) on the tensors already in the batch; never
 raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.doctor`
 and docs/reading-a-mismatch.md.
@@ -58,8 +61,15 @@ def doctor_step(doctor: Any, batch: Any, step: int) -> dict[str, float]:
         train, rollout, mask, tensors = step_tensors(batch)
         uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
         responses = tensors["responses"] if uid is not None and "responses" in set(tensors.keys()) else None
+        ids = {}
+        if {"input_ids", "responses"} <= set(tensors.keys()) and train.ndim == 2:
+            # verl forwards input_ids = [prompt | response] and scores the response part: the rollout's ids
+            ids = {
+                "trainer_ids": tensors["input_ids"][:, -train.shape[-1] :],
+                "rollout_ids": tensors["responses"],
+            }
         sig, lines = doctor.step(step, train, rollout, mask, uid=uid if responses is not None else None,
-                                 responses=responses)  # fmt: skip
+                                 responses=responses, **ids)  # fmt: skip
         for line in lines:
             logger.warning("doctor: %s", line)
         return sig

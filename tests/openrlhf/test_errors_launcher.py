@@ -55,6 +55,10 @@ BAD = {
                             "--alignment.experimental.compiled_norm=false"),
     "liger with alignment": (["--alignment.regions", "rope", "--ds.use_liger_kernel"], "LigerConflictError",
                              "drop --ds.use_liger_kernel"),
+    "top-p fed into the IS correction": (["--rollout.top_p", "0.8", "--algo.advantage.is_correction_level", "token"],
+                                         "DoctorConfigError", "or acknowledge it: --alignment.doctor.allow top_p_top_k"),
+    "doctor.allow typo": (["--alignment.doctor.allow", "top_p"], "ConfigFormatError", "top_p_top_k"),
+    "flat --top_p": (["--top_p", "0.9"], "ConfigFormatError", "use --rollout.top_p"),
 }  # fmt: skip
 
 
@@ -126,3 +130,26 @@ def test_old_release_liger_and_is_correction_spellings_are_read(monkeypatch):
     assert rollout_logprobs_requested(["--enable_vllm_is_correction"])
     assert rollout_logprobs_requested(["--algo.advantage.is_correction_level", "token"])
     assert not rollout_logprobs_requested(["--algo.advantage.is_correction_level", "off"])
+
+
+def test_acknowledged_confounders_are_warnings_and_the_launch_goes_on(monkeypatch, plugin_log):
+    import ray
+
+    class Started(Exception):
+        pass
+
+    def init(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(ray, "init", init)
+    argv = ["--rollout.top_p", "0.8", "--algo.advantage.is_correction_level", "token", "--train.async_enable",
+            "--alignment.doctor.allow", "top_p_top_k"]  # fmt: skip
+    with pytest.raises(Started):
+        main([*argv, *BASE])
+    lines = [m for m in plugin_log if m.startswith("doctor: ")]
+    assert len(lines) == 2 and "(acknowledged in --alignment.doctor.allow)" in lines[0], lines
+    assert lines[1].startswith("doctor: --train.async_enable:")
+    plugin_log.clear()
+    with pytest.raises(Started):  # the doctor off: no check, no error
+        main([*argv[:5], "--alignment.doctor.enable", "false", *BASE])
+    assert not any(m.startswith("doctor: ") for m in plugin_log)

@@ -48,6 +48,7 @@ class ClusterRun:
     actors: list[dict]
     failed: subprocess.CompletedProcess | None = None
     stop: subprocess.CompletedProcess | None = None
+    home: Path | None = None
 
     @property
     def worker_node_logs(self) -> str:
