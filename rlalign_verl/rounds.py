@@ -98,6 +98,10 @@ def round_metrics(
         raise _fail(f"response_mask is a {type(mask).__name__}, not a tensor; pass the batch's response_mask")
     index = round_index(mask.detach(), None)
     shape = tuple(index.shape)
+    for name, value in (("train log-probs", train), ("rollout log-probs", rollout)):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise _fail(f"{name} must be a tensor of the response mask's shape {shape}, got {got}")
     same = None
     if trainer_ids is not None:
         a = _ids("trainer_ids", trainer_ids, shape).detach()

@@ -79,3 +79,14 @@ def test_a_skipped_weight_sync_is_named_as_a_growing_gap(engine_run):
     assert gaps == sorted(gaps) and gaps[-1] > 3 * gaps[0], gaps
     assert len(said) == 1 and said[0].startswith("step 5: the gap grows"), said
     assert "a failed or skipped weight sync" in said[0]
+
+
+def test_a_one_token_shift_is_named_as_heavy_tails(engine_run):
+    er, hf = engine_run
+    train, engine, mask = _scored(hf, er.rollouts)
+    shifted = torch.cat(
+        [engine[:, :1], engine[:, :-1]], dim=1
+    )  # the engine's log-prob of token t-1 filed at t
+    sig, lines = Doctor().step(1, train, shifted, mask)
+    assert sig["mismatch/doctor/share_above_1"] > 0.3 and abs(sig["mismatch/doctor/corr_logprob"]) < 0.1
+    assert len(lines) == 1 and "heavy tails" in lines[0] and "a one-token shift" in lines[0], lines

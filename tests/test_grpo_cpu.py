@@ -210,12 +210,14 @@ def test_a_planted_wrong_profile_warns_then_stops_the_run(planted):
 @pytest.fixture(scope="module")
 def top_p_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One step sampled with top_p=0.8: verl's vLLM rollout reports processed log-probs (renormalised over the
-    kept tokens), the trainer recomputes the full distribution: Δ = log(kept mass) <= 0 on every token."""
+    kept tokens), the trainer recomputes the full distribution: Δ = log(kept mass) <= 0 on every token. The
+    rollout's log-prob micro-batch (2) differs from the update's (the recipe's BATCH * N), a second confounder."""
     pytest.importorskip("verl")
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("grpo_top_p")
     env = recipe_env(ALIGN="all", STEPS="1", OUT=str(out))
-    overrides = ["actor_rollout_ref.rollout.top_p=0.8", "alignment.verify.enable=false"]
+    overrides = ["actor_rollout_ref.rollout.top_p=0.8", "alignment.verify.enable=false",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]  # fmt: skip
     cmd = ["bash", str(ROOT / "recipes" / "grpo_tiny_cpu.sh"), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     return proc, out
@@ -225,8 +227,10 @@ def test_the_doctor_names_top_p_sampling_in_a_real_run(top_p_run):
     proc, out = top_p_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (out / "all.log").read_text(errors="replace")
-    # start-up: named on the driver (a warning: no importance-sampling correction is on in this recipe)
-    assert "doctor: " in log and "top_p" in log
+    # start-up: named on the driver (warnings: no importance-sampling correction is on in this recipe)
+    startup = [line for line in log.splitlines() if "doctor: actor_rollout_ref" in line]
+    assert any("top_p=0.8 with logprobs_mode=processed_logprobs" in line for line in startup), startup
+    assert any("log_prob_micro_batch_size_per_gpu=2 but" in line for line in startup), startup
     (row,) = rows(out / "all.jsonl")
     data = row["data"]
     # every token's rollout log-prob is renormalised over the kept mass: a one-sided bias, not rounding

@@ -127,11 +127,12 @@ def test_the_doctor_logs_rounds_and_says_the_round_cause_instead_of_tails():
         ({"trainer_ids": torch.zeros(1, 3, dtype=torch.long), "rollout_ids": torch.zeros(1, 4, dtype=torch.long)},
          "token-id tensor"),
         ({"max_rounds": 1}, "max_rounds"),
+        ({"mask_width": 3}, "the response mask's shape"),
     ],
 )  # fmt: skip
 def test_bad_inputs_fail_in_one_line(kwargs, needle):
     train, rollout, mask = _batch([[1, 1]])
-    mask = mask[:, :4]
+    mask = mask[:, : kwargs.pop("mask_width", 4)]
     with pytest.raises(MetricsInputError, match=needle) as err:
         round_metrics(train[:, :4], rollout[:, :4], mask, **kwargs)
     assert "\n" not in str(err.value)
