@@ -34,7 +34,7 @@ import torch
 from .doctor_trend import GapTrend
 from .errors import MetricsInputError
 from .metrics import MAX_LOG_PROB, sorted_quantiles
-from .rounds import round_findings, round_metrics
+from .rounds import round_findings, round_metrics, unexplained_mask
 
 __all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
 
@@ -313,6 +313,10 @@ def diagnose_signature(sig: dict[str, float], *, context: dict[str, Any] | None 
     return [line for _, line in findings(sig, context)]
 
 
+_SHAPE_CAUSES = ("bias", "temperature", "tails")
+"""Causes read from the shape of Δ, which tokens with other ids or another history distort."""
+
+
 class Doctor:
     """Per-step signature, gap trend and verdict lines; a cause is said again only every ``repeat_every`` steps."""
 
@@ -351,11 +355,17 @@ class Doctor:
             sig.update(self.trend.update(step, sig[PREFIX + "abs_mean"]))
         sig.update(round_metrics(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
                                  rollout_ids=rollout_ids))  # fmt: skip
-        by_round = round_findings(
-            sig
-        )  # other ids or another history explain the batch's bias, slope and tails
-        explained = ("bias", "temperature", "tails") if by_round else ()
-        found = [f for f in findings(sig, self.context) if f[0] not in explained] + by_round
+        by_round = round_findings(sig)
+        found = findings(sig, self.context)
+        if (
+            by_round
+        ):  # other ids or another history explain their tokens: the rest of the batch is judged alone
+            rest = unexplained_mask(response_mask, [c for c, _ in by_round], trainer_ids, rollout_ids)
+            alone = findings(signatures(old_log_probs, rollout_log_probs, rest, seed=step), self.context)
+            found = [f for f in found if f[0] not in _SHAPE_CAUSES] + [
+                f for f in alone if f[0] in _SHAPE_CAUSES
+            ]
+        found += by_round
         sig[PREFIX + "findings"] = float(len(found))
         lines = []
         for cause, line in found:

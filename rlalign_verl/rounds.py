@@ -14,8 +14,9 @@ round ``k`` of a row is its ``k``-th run of 1s, and a single-turn response is on
   ``_max`` suffix makes verl's metric merge take the max).
 
 Given the ids the trainer scored at the response positions and the ids the rollout sampled,
-``mismatch/doctor/token_id_mismatch`` is the share of masked tokens whose ids differ (logged for single-turn
-batches too: a shifted response shows here). :func:`round_findings` names what the keys show that is not
+``mismatch/doctor/token_id_mismatch`` is the share of masked tokens whose ids differ (single-turn batches too; it
+sees ids, not log-probs: log-probs filed one position late next to the right ids show as heavy tails instead).
+:func:`round_findings` names what the keys show that is not
 rounding: ids that differ, or later rounds with heavy tails behind a first round that has rounding's gap.
 """
 
@@ -29,7 +30,7 @@ import torch
 from .errors import MetricsInputError
 from .metrics import compute_mismatch_metrics
 
-__all__ = ["MAX_ROUNDS", "ROUND_KEYS", "round_index", "round_metrics", "round_findings"]
+__all__ = ["MAX_ROUNDS", "ROUND_KEYS", "round_index", "round_metrics", "round_findings", "unexplained_mask"]
 
 MAX_ROUNDS = 8
 ROUND_KEYS: tuple[str, ...] = ("logp_abs_diff_mean", "logp_abs_diff_max", "kl_k1", "kl_k3", "ratio_clip_frac",
@@ -150,7 +151,8 @@ def round_findings(metrics: dict[str, float], prefix: str = "mismatch/") -> list
     if share:
         where = [k for k in rounds if (get(f"round_{k}/token_id_mismatch") or 0.0) > 0]
         at = f" ({_rounds_text(where)})" if where else ""
-        out.append(("token_ids", f"{share:.1%} of response tokens{at}: the trainer recomputes log-probs on other "
+        share_text = f"{share:.2%}" if share >= 1e-4 else "under 0.01%"
+        out.append(("token_ids", f"{share_text} of response tokens{at}: the trainer recomputes log-probs on other "
                     "token ids than the rollout sampled — not numerics: a shifted response or a re-tokenised history "
                     "(text decoded and encoded again, a chat template re-applied to past turns); fix: hand the "
                     "rollout's token ids to the trainer unchanged (token-in-token-out, as verl's agent loop does)"))  # fmt: skip
@@ -168,3 +170,25 @@ def round_findings(metrics: dict[str, float], prefix: str = "mismatch/") -> list
                     "token ids for the whole conversation (verl's agent loop: token-in-token-out; "
                     "multi_turn.tokenization_sanity_check_mode=strict)"))  # fmt: skip
     return out
+
+
+def unexplained_mask(
+    mask: torch.Tensor,
+    causes: list[str],
+    trainer_ids: torch.Tensor | None = None,
+    rollout_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The masked tokens that ``causes`` (of :func:`round_findings`) do not explain, as a bool ``[B, T]`` mask.
+
+    ``rounds`` explains every round after the first. ``token_ids`` explains a row from its first differing id on
+    (every later token is scored in another context) and every round after the first (the ids of the turns between
+    rounds are not compared, so their history may differ unseen). What is left is judged on its own: a top-p bias in
+    round 1 is still named when round 2 was re-tokenised.
+    """
+    keep = mask != 0
+    if "rounds" in causes or "token_ids" in causes:
+        keep &= round_index(mask, None) == 1
+    if "token_ids" in causes and trainer_ids is not None and rollout_ids is not None:
+        differ = (trainer_ids != rollout_ids.to(trainer_ids.device)).to(keep.device) & (mask != 0)
+        keep &= differ.long().cumsum(dim=1) == 0
+    return keep

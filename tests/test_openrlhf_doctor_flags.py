@@ -1,7 +1,9 @@
 """OpenRLHF's start-up confounder checks (rlalign_verl/openrlhf/doctor_flags.py) on argv alone.
 
 Facts of OpenRLHF 0.11.2 written here, not read from the module: vLLM returns processed log-probs whenever
-rollout log-probs are collected; ``--rollout.micro_batch_size`` and ``--train.micro_batch_size`` default to 1.
+rollout log-probs are collected; ``--rollout.micro_batch_size`` and ``--train.micro_batch_size`` default to 1; with
+``--train.dynamic_batch_enable`` the token budgets count instead, ``--train.max_tokens_per_gpu`` defaults to 16192
+and ``--rollout.max_tokens_per_gpu`` to the update's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,27 @@ def _keys(argv, collect=False, allow=()):
             False,
             [("micro_batch", "warn")],
         ),
+        (
+            ["--rollout.micro_batch_size=abc", "--train.micro_batch_size", "4"],
+            False,
+            [],
+        ),  # OpenRLHF refuses it
+        (
+            ["--train.dynamic_batch_enable", "--rollout.micro_batch_size", "4"],
+            False,
+            [],
+        ),  # token budgets instead
+        (
+            ["--train.dynamic_batch_enable", "--rollout.max_tokens_per_gpu", "4096"],
+            False,
+            [("micro_batch", "warn")],
+        ),
+        (
+            ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096"],
+            False,
+            [],
+        ),  # rollout's follows
+        (["--rollout.top_p"], True, []),  # malformed: OpenRLHF's parser names it
         (["--train.async_enable"], False, [("async_staleness", "warn")]),
         (["--train.agent_func_path", "agent.py"], False, [("multi_turn", "warn")]),
     ],
@@ -51,6 +74,10 @@ def test_lines_name_the_flag_the_effect_and_the_fix():
     assert line.startswith("--train.async_enable:") and "partial rollouts mix old and new weights" in line
     (line,) = check(["--rollout.micro_batch_size", "4"], collect_rollout_logprobs=False)
     assert "--rollout.micro_batch_size=4 but --train.micro_batch_size=1" in line and "fix: give both" in line
+    (line,) = check(
+        ["--train.dynamic_batch_enable", "--rollout.max_tokens_per_gpu=4096"], collect_rollout_logprobs=False
+    )
+    assert "--rollout.max_tokens_per_gpu=4096 but --train.max_tokens_per_gpu=16192" in line
     with pytest.raises(DoctorConfigError) as err:
         check(["--rollout.top_p", "0.9", *IS_ON], collect_rollout_logprobs=False)
     msg = str(err.value)

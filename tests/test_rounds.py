@@ -8,7 +8,14 @@ import torch
 from rlalign_verl.doctor import Doctor
 from rlalign_verl.errors import MetricsInputError
 from rlalign_verl.metrics import compute_mismatch_metrics
-from rlalign_verl.rounds import MAX_ROUNDS, ROUND_KEYS, round_findings, round_index, round_metrics
+from rlalign_verl.rounds import (
+    MAX_ROUNDS,
+    ROUND_KEYS,
+    round_findings,
+    round_index,
+    round_metrics,
+    unexplained_mask,
+)
 
 
 def test_round_index_numbers_runs_of_the_mask():
@@ -150,3 +157,41 @@ def test_the_docs_name_every_round_key():
     assert len(names) == 3 + len(ROUND_KEYS) + 2  # identity, rounds per sequence (2), per-round keys
     missing = [n for n in names if f"`{n}`" not in section and f"`{n.rsplit('/', 1)[1]}`" not in section]
     assert missing == []
+
+
+def test_a_bias_in_round_1_is_still_named_beside_a_re_tokenised_round_2():
+    train, rollout, mask = _batch([[30, 30]] * 8)
+    second = (round_index(mask) == 2).nonzero()
+    biased = (train - 0.18).clamp(max=0.0)  # top-p's log(kept mass) on every token of both rounds
+    biased[second[0::4, 0], second[0::4, 1]] -= 2.0  # and round 2 scored in another history
+    rollout2 = rollout.clone()
+    rollout2[second[2::4, 0], second[2::4, 1]] -= 2.0
+    sig, lines = Doctor({"top_p": 0.8}).step(1, biased, rollout2, mask)
+    causes = sorted(line.split(":")[1].strip().split(" ")[0] for line in lines)
+    assert causes == ["round", "systematic"], lines  # the round cause and round 1's bias, each once
+    bias_line = next(line for line in lines if "systematic bias" in line)
+    assert "top_p=0.8" in bias_line and "-0.18" in bias_line  # judged on round 1 alone: the whole offset
+    # without the offset, round 1 is rounding: only the round cause
+    sig, lines = Doctor({"top_p": 0.8}).step(
+        1,
+        train.clone().index_put_(
+            (second[0::4, 0], second[0::4, 1]), train[second[0::4, 0], second[0::4, 1]] - 2.0
+        ),
+        rollout2,
+        mask,
+    )
+    assert len(lines) == 1 and lines[0].startswith("step 1: round 2:"), lines
+
+
+def test_unexplained_tokens_are_round_1_up_to_the_first_differing_id():
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1], [1, 1, 1, 0, 1, 1]])
+    ids = torch.arange(12).reshape(2, 6)
+    other = ids.clone()
+    other[0, 1] = -5  # row 0 differs at its second token
+    want_rounds = [[True, True, True, False, False, False]] * 2
+    assert unexplained_mask(mask, ["rounds"]).tolist() == want_rounds
+    assert unexplained_mask(mask, ["token_ids"], ids, other).tolist() == [
+        [True, False, False, False, False, False],
+        [True, True, True, False, False, False],
+    ]
+    assert unexplained_mask(mask, []).tolist() == (mask != 0).tolist()

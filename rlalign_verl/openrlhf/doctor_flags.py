@@ -8,7 +8,8 @@ launcher passes on, before Ray starts. What OpenRLHF 0.11.2 does (read in ``open
   ``--alignment.collect_rollout_logprobs``): after temperature and after top-p, renormalised over the kept tokens.
 - The actor divides its logits by ``--rollout.temperature`` too, so temperatures agree; it applies no top-p.
 - ``experience.action_log_probs`` (the PPO old log-probs) are computed in ``--rollout.micro_batch_size`` batches,
-  the update's in ``--train.micro_batch_size`` batches (both default 1 in 0.10+).
+  the update's in ``--train.micro_batch_size`` batches (both default 1 in 0.10+); with ``--train.dynamic_batch_enable``
+  in token budgets ``--rollout.max_tokens_per_gpu`` (default: the update's) and ``--train.max_tokens_per_gpu``.
 - ``--train.async_enable`` samples with weights up to ``--train.async_queue_size`` updates old;
   ``--train.partial_rollout_enable`` mixes old and new weights inside one sample.
 - ``--train.agent_func_path`` runs multi-turn agent rollouts.
@@ -17,6 +18,7 @@ launcher passes on, before Ray starts. What OpenRLHF 0.11.2 does (read in ``open
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ..doctor_findings import Finding, raise_or_lines, settle
 from .flags import spellings
@@ -27,37 +29,50 @@ __all__ = ["confounders", "check"]
 ALLOW_FLAG = "--alignment.doctor.allow"
 
 
-def _number(argv: Sequence[str], setting: str) -> tuple[float | None, str | None]:
-    """``(value, the spelling given)`` of a numeric flag; ``(None, None)`` when absent or not a number."""
+_MALFORMED = object()
+"""A flag given with a value that is not a number: OpenRLHF's own parser names it; the check says nothing."""
+
+
+def _number(argv: Sequence[str], setting: str) -> tuple[Any, str | None]:
+    """``(value, the spelling given)`` of a numeric flag: ``(None, None)`` when absent, :data:`_MALFORMED` when not
+    a number."""
     names = spellings(setting)
     value = flag_value(argv, names)
     given = next((n for n in names if any(a == n or a.startswith(n + "=") for a in argv)), None)
+    if given is None:
+        return None, None
     try:
-        return (float(value), given) if isinstance(value, str) else (None, given)
-    except ValueError:
-        return None, given  # OpenRLHF's own parser names a malformed number
+        return float(value), given  # a bare flag (value True) is malformed too
+    except (TypeError, ValueError):
+        return _MALFORMED, given
+
+
+def _sizes(argv: Sequence[str]) -> tuple[Any, str, Any, str] | None:
+    """``(recompute value, its flag, update value, its flag)`` of the batch shapes the two passes use, or ``None``.
+
+    Fixed micro-batches: ``--rollout.micro_batch_size`` vs ``--train.micro_batch_size`` (0.10+ default 1 each).
+    Dynamic batching (``--train.dynamic_batch_enable``): token budgets ``--rollout.max_tokens_per_gpu`` (default: the
+    update's) vs ``--train.max_tokens_per_gpu`` (default 16192). A flag left out takes that default only when the
+    given one is spelled the dotted way; older releases (flat spellings) had other defaults, so there both are needed.
+    """
+    dynamic = switch_on(argv, spellings("dynamic_batch_enable"))
+    names = ("rollout_max_tokens_per_gpu", "train_max_tokens_per_gpu") if dynamic else (
+        "rollout_micro_batch_size", "train_micro_batch_size")  # fmt: skip
+    (a, a_flag), (b, b_flag) = _number(argv, names[0]), _number(argv, names[1])
+    if a is _MALFORMED or b is _MALFORMED or (a_flag is None and b_flag is None and not dynamic):
+        return None
+    dotted = all(f is None or not f.startswith("--") or "." in f[2:] for f in (a_flag, b_flag))
+    if dotted:
+        b = b if b is not None else (16192.0 if dynamic else 1.0)
+        a = a if a is not None else (b if dynamic else 1.0)
+    return a, a_flag or spellings(names[0])[0], b, b_flag or spellings(names[1])[0]
 
 
 def _micro_batches(argv: Sequence[str]) -> list[Finding]:
-    (rollout, r_flag), (train, t_flag) = (
-        _number(argv, "rollout_micro_batch_size"),
-        _number(argv, "train_micro_batch_size"),
-    )
-    if r_flag is None and t_flag is None:
+    sizes = _sizes(argv)
+    if sizes is None or sizes[0] is None or sizes[2] is None or sizes[0] == sizes[2]:
         return []
-    # a flag left out takes OpenRLHF 0.10+'s default (1) when the other is spelled the dotted way; older releases
-    # (flat spellings) had other defaults, so there both must be given
-    dotted = (r_flag or t_flag or "").startswith("--rollout.") or (r_flag or t_flag or "").startswith(
-        "--train."
-    )
-    r_flag, t_flag = (
-        r_flag or spellings("rollout_micro_batch_size")[0],
-        t_flag or spellings("train_micro_batch_size")[0],
-    )
-    rollout = rollout if rollout is not None or not dotted else 1.0
-    train = train if train is not None or not dotted else 1.0
-    if rollout is None or train is None or rollout == train:
-        return []
+    rollout, r_flag, train, t_flag = sizes
     return [Finding("micro_batch", "warn", f"{r_flag}={rollout:g} but {t_flag}={train:g}: the PPO old log-probs are "
                     "computed in other batch shapes than the update's log-probs, so batch-dependent kernels make "
                     "pi/pi_old != 1 before any update (a gap beside the rollout's: it shows in the PPO KL, not in "
@@ -71,7 +86,7 @@ def confounders(
     found: list[Finding] = []
     corrected = rollout_logprobs_requested(argv)  # the rollout log-probs enter the loss (IS correction)
     top_p, top_p_flag = _number(argv, "top_p")
-    if top_p is not None and top_p < 1 and (corrected or collect_rollout_logprobs):
+    if isinstance(top_p, float) and top_p < 1 and (corrected or collect_rollout_logprobs):
         effect = ("the IS correction (--algo.advantage.is_correction_level) feeds that offset into the loss"
                   if corrected else "the loss is unchanged (measure-only), so only mismatch/* shows it")  # fmt: skip
         found.append(Finding("top_p_top_k", "error" if corrected else "warn", f"{top_p_flag}={top_p:g}: vLLM reports "

@@ -1,7 +1,8 @@
 """The doctor's per-step part in verl's trainer: ``mismatch/doctor/*`` from the step's batch, and its lines.
 
 Multi-turn batches (verl's agent loop) also get per-round ``mismatch/round_{k}/*``, and every batch the
-token-identity share ``mismatch/doctor/token_id_mismatch`` (``input_ids``' response part vs ``responses``).
+token-identity share ``mismatch/doctor/token_id_mismatch`` (``input_ids``' response part vs ``responses``: 0 in
+verl's own rollouts, which build one from the other; nonzero when a custom rollout or agent loop builds them apart).
 
 Runs beside the ``mismatch/*`` metrics (:mod:`.trainer_callback`) on the tensors already in the batch; never
 raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.doctor`
@@ -61,13 +62,13 @@ def doctor_step(doctor: Any, batch: Any, step: int) -> dict[str, float]:
         train, rollout, mask, tensors = step_tensors(batch)
         uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
         responses = tensors["responses"] if uid is not None and "responses" in set(tensors.keys()) else None
-        ids = {}
-        if {"input_ids", "responses"} <= set(tensors.keys()) and train.ndim == 2:
-            # verl forwards input_ids = [prompt | response] and scores the response part: the rollout's ids
-            ids = {
-                "trainer_ids": tensors["input_ids"][:, -train.shape[-1] :],
-                "rollout_ids": tensors["responses"],
-            }
+        ids, width = {}, train.shape[-1] if train.ndim == 2 else 0
+        if width and {"input_ids", "responses"} <= set(tensors.keys()):
+            # verl forwards input_ids = [prompt | response] and scores the response part; its own rollouts build
+            # input_ids from responses, so this differs only where a custom rollout or agent loop built them apart
+            trainer_ids, rollout_ids = tensors["input_ids"][:, -width:], tensors["responses"]
+            if tuple(trainer_ids.shape) == tuple(rollout_ids.shape) == tuple(train.shape):
+                ids = {"trainer_ids": trainer_ids, "rollout_ids": rollout_ids}
         sig, lines = doctor.step(step, train, rollout, mask, uid=uid if responses is not None else None,
                                  responses=responses, **ids)  # fmt: skip
         for line in lines:
