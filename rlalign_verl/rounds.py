@@ -167,8 +167,7 @@ def round_findings(metrics: dict[str, float], prefix: str = "mismatch/") -> list
                     f"round 1 has rounding's gap ({first:.1%}) — not numerics: the trainer scores later rounds in "
                     "another history than the engine sampled them in (a re-tokenised multi-turn history, a chat "
                     "template that renders past turns differently, e.g. dropping reasoning); fix: keep the rollout's "
-                    "token ids for the whole conversation (verl's agent loop: token-in-token-out; "
-                    "multi_turn.tokenization_sanity_check_mode=strict)"))  # fmt: skip
+                    "token ids for the whole conversation (verl's own agent loops do: token in, token out)"))  # fmt: skip
     return out
 
 

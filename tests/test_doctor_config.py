@@ -77,8 +77,10 @@ CASES = [
     ([f"{R}.calculate_log_probs=False", IS_ON], "calculate_log_probs", "error", ["nothing to divide by"]),
     (["trainer.v1.trainer_mode=separate_async"], "async_staleness", "warn",
      ["up to 8 versions old, synced every 4 steps", "gap_growth"]),
-    ([f"{R}.multi_turn.enable=True", f"{R}.multi_turn.use_inference_chat_template=True"], "multi_turn", "warn",
-     ["re-tokenised history", "use_inference_chat_template=True"]),
+    ([f"{R}.agent.default_agent_loop=my_react_agent"], "multi_turn", "warn",
+     ["default_agent_loop=my_react_agent is not one of verl's agent loops (single_turn_agent, tool_agent)",
+      "mismatch/round_{k}/share_above_1"]),
+    ([f"{R}.agent.agent_loop_config_path=loops.yaml"], "multi_turn", "warn", ["agent_loop_config_path=loops.yaml"]),
     ([f"{R}.enable_rollout_routing_replay=True"], "routing_replay", "warn", ["does not replay them"]),
     ([f"{R}.dtype=float16"], "dtype", "warn", ["dtype=float16 but the actor computes in bf16"]),
     ([f"{R}.quantization=fp8"], "quantization", "warn", ["quantized weights"]),
@@ -104,6 +106,15 @@ def test_consistent_temperature_is_not_a_confounder(monkeypatch):
     assert found(f"{R}.temperature=0.7", f"{R}.name=sglang") == {}
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # SGLang then reports pre-temperature log-probs
     assert found(f"{R}.temperature=0.7", f"{R}.name=sglang")["temperature"][0] == "warn"
+
+
+def test_verls_own_multi_turn_loop_is_not_a_confounder():
+    """verl 0.9.1's tool agent appends each turn's token ids (token in, token out): nothing to warn about, but the
+    verdicts know the run is multi-turn."""
+    on = (f"{R}.agent.default_agent_loop=tool_agent", f"{R}.multi_turn.enable=True")
+    assert found(*on) == {}
+    assert doctor_context(config(*on))["multi_turn"] is True
+    assert doctor_context(config(f"{R}.agent.default_agent_loop=tool_agent"))["multi_turn"] is True
 
 
 def test_r3_without_recorded_routes_on_the_megatron_config():

@@ -65,6 +65,22 @@ def test_v1_trainer_fit_logs_mismatch_every_step(trainer_modules, transfer_queue
     assert io.verify_passes == []  # regions=[]: nothing to verify, no extra pass
 
 
+@pytest.mark.parametrize("twin", [False, True])
+def test_v1_trainer_fit_gives_the_doctor_the_group_ids(
+    trainer_modules, transfer_queue, tmp_path, monkeypatch, twin
+):
+    """verl's v1 trainer hands its debug-metrics hook tensors only: the group ids are read from TransferQueue, so
+    the duplicate rate is measured there too (two identical samples of one prompt: 2 of 6 sequences)."""
+    config = fit_config(
+        "trainer.use_v1=true", "data.train_batch_size=3", "actor_rollout_ref.actor.clip_ratio_high=0.28"
+    )
+    trainer, io = v1_trainer(config, transfer_queue, tmp_path, monkeypatch, twin_first_group=twin)
+    trainer.fit(agent_loop_manager=None)
+    for logged in logged_fit_steps(tmp_path / "v1.jsonl", io.outputs):
+        assert logged["mismatch/doctor/dup_rate"] == (2 / 6 if twin else 0.0)
+        assert logged["mismatch/doctor/dup_groups"] == (1 / 3 if twin else 0.0)
+
+
 @pytest.mark.parametrize("top_p", [0.8, 1.0])
 def test_a_systematic_bias_is_named_by_the_doctor(
     trainer_modules, tmp_path, monkeypatch, warnings_log, top_p

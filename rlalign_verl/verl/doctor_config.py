@@ -75,9 +75,24 @@ def doctor_context(config: Any) -> dict[str, Any]:
         "top_k": _num(config, f"{ROLLOUT}.top_k", -1.0),
         "temperature": _num(config, f"{ROLLOUT}.temperature", 1.0),
         "logprobs_mode": _text(config, f"{ROLLOUT}.logprobs_mode", "processed_logprobs"),
-        "multi_turn": _flag(config, f"{ROLLOUT}.multi_turn.enable", False),
+        "multi_turn": _agent_loop(config) != SINGLE_TURN
+        or _flag(config, f"{ROLLOUT}.multi_turn.enable", False),
         "trainer_mode": _text(config, "trainer.v1.trainer_mode", "sync"),
     }
+
+
+SINGLE_TURN = "single_turn_agent"
+VERL_AGENT_LOOPS = (SINGLE_TURN, "tool_agent")
+"""verl 0.9.1's own agent loops (``experimental/agent_loop``): both keep the conversation as token ids (their
+Continuous Token builder appends each turn's ids), so the trainer scores the ids the engine sampled after."""
+
+
+def _agent_loop(config: Any) -> str:
+    """The run's default agent loop; ``"custom"`` when ``agent_loop_config_path`` registers loops of its own."""
+    if select(config, f"{ROLLOUT}.agent.agent_loop_config_path") not in (None, ""):
+        return "custom"
+    name = select(config, f"{ROLLOUT}.agent.default_agent_loop")
+    return str(name).strip() if name not in (None, "") else SINGLE_TURN  # registry names are case-sensitive
 
 
 _LINES = {
@@ -108,10 +123,10 @@ _LINES = {
     "async": "trainer.v1.trainer_mode={mode}: rollouts are sampled with weights{detail}, so Δ holds the policy "
     "change as well as rounding (mean Δ near -KL, mismatch/doctor/gap_growth); fix: trainer_mode=sync to measure "
     "numerics alone",
-    "multi_turn": "{R}.multi_turn.enable=True (tokenization_sanity_check_mode={check}{template}): a "
-    "re-tokenised history gives the trainer token ids the rollout never sampled, which shows as heavy tails "
-    "(mismatch/doctor/share_above_1) on those turns, not as rounding; fix: keep tokenization_sanity_check_mode=strict "
-    "and use_inference_chat_template=False",
+    "multi_turn": "{what} is not one of verl's agent loops ({ours}), which keep the conversation as token ids: "
+    "a loop that re-renders or re-tokenises past turns gives the trainer another history than the engine sampled "
+    "in, which shows as heavy tails in the later rounds (mismatch/round_{{k}}/share_above_1), not as rounding; fix: "
+    "build each turn's context from the rollout's token ids (AgentLoopBase's Continuous Token builder)",
     "r3_unrecorded": "router_replay.mode=R3 replays the rollout's expert routes but {R}.enable_rollout_routing_replay"
     "=False records none; fix: enable_rollout_routing_replay=True",
     "r3_unreplayed": "{R}.enable_rollout_routing_replay=True records the rollout's expert routes but the actor does "
@@ -185,11 +200,14 @@ def _pipeline(config: Any, ctx: dict[str, Any], fixes: list[str]) -> list[Findin
         detail = f" up to {lag:g} versions old" if lag is not None else " of unbounded age"
         detail += f", synced every {sync:g} steps" if sync is not None else ""
         out.append(Finding("async_staleness", "warn", _line("async", mode=mode, detail=detail)))
-    if ctx["multi_turn"]:
-        check = _text(config, f"{ROLLOUT}.multi_turn.tokenization_sanity_check_mode", "strict")
-        inference = _flag(config, f"{ROLLOUT}.multi_turn.use_inference_chat_template", False)
-        template = ", use_inference_chat_template=True" if inference else ""
-        out.append(Finding("multi_turn", "warn", _line("multi_turn", check=check, template=template)))
+    loop = _agent_loop(config)
+    if loop not in VERL_AGENT_LOOPS:
+        key, value = "default_agent_loop", loop
+        if loop == "custom":
+            key = "agent_loop_config_path"
+            value = select(config, f"{ROLLOUT}.agent.{key}")
+        line = _line("multi_turn", what=f"{ROLLOUT}.agent.{key}={value}", ours=", ".join(VERL_AGENT_LOOPS))
+        out.append(Finding("multi_turn", "warn", line))
     modes = {
         _text(config, f"{ACTOR}.{engine}.router_replay.mode", "disabled") for engine in ("megatron", "veomni")
     }

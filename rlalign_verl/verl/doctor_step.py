@@ -1,8 +1,11 @@
 """The doctor's per-step part in verl's trainer: ``mismatch/doctor/*`` from the step's batch, and its lines.
 
-Multi-turn batches (verl's agent loop) also get per-round ``mismatch/round_{k}/*``, and every batch the
-token-identity share ``mismatch/doctor/token_id_mismatch`` (``input_ids``' response part vs ``responses``: 0 in
-verl's own rollouts, which build one from the other; nonzero when a custom rollout or agent loop builds them apart).
+Multi-turn batches (verl's agent loop) also get per-round ``mismatch/round_{k}/*``. The legacy trainer's batches
+also get the token-identity share ``mismatch/doctor/token_id_mismatch`` (``input_ids``' response part vs
+``responses``: 0 in verl's own rollouts, which build one from the other; nonzero when a custom rollout or agent loop
+builds them apart); the v1 trainer keeps no ``input_ids`` (it scores ``prompts`` + ``responses``). The v1 trainer's
+batch has no ``uid`` either: the group ids for the duplicate rate are read from TransferQueue
+(:func:`v1_group_ids`).
 
 Runs beside the ``mismatch/*`` metrics (:mod:`.trainer_callback`) on the tensors already in the batch; never
 raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.doctor`
@@ -56,11 +59,34 @@ def start_doctor(config: Any, spec: Any) -> Any:
     return Doctor(doctor_context(config))
 
 
-def doctor_step(doctor: Any, batch: Any, step: int) -> dict[str, float]:
-    """``mismatch/doctor/*`` of one step batch; logs the verdict lines that are due; ``{}`` on any failure."""
+def v1_group_ids(meta: Any) -> Any:
+    """The GRPO group id of each sequence of a v1 step (``KVBatchMeta``), in the step's key order.
+
+    verl's v1 trainer hands its debug-metrics hook a batch of tensors only; the group ids live in TransferQueue's
+    ``uid`` field. ``None`` (said once) when they cannot be read: the duplicate rate is then skipped.
+    """
+    try:
+        import numpy as np
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=list(meta.keys), partition_id=meta.partition_id, select_fields=["uid"])
+        return np.array(data.pop("uid").tolist(), dtype=object)
+    except Exception as exc:
+        warn_once(
+            logger, f"mismatch/doctor/dup_rate skipped (group ids unreadable: {type(exc).__name__}: {exc})"
+        )
+        return None
+
+
+def doctor_step(doctor: Any, batch: Any, step: int, group_ids: Any = None) -> dict[str, float]:
+    """``mismatch/doctor/*`` of one step batch; logs the verdict lines that are due; ``{}`` on any failure.
+
+    ``group_ids``: the GRPO group id per sequence when the batch has no ``non_tensor_batch['uid']`` (v1 trainer).
+    """
     try:
         train, rollout, mask, tensors = step_tensors(batch)
         uid = (getattr(batch, "non_tensor_batch", None) or {}).get("uid")
+        uid = group_ids if uid is None else uid
         responses = tensors["responses"] if uid is not None and "responses" in set(tensors.keys()) else None
         ids, width = {}, train.shape[-1] if train.ndim == 2 else 0
         if width and {"input_ids", "responses"} <= set(tensors.keys()):

@@ -26,6 +26,9 @@ class Run:
     """The :class:`~rlalign_verl.verify_policy.Verifier`, or ``None`` when nothing is verified."""
     doctor: Any = None
     """The :class:`~rlalign_verl.doctor.Doctor`, or ``None`` when the doctor or the metrics are off."""
+    group_ids: Any = None
+    """v1 trainer: the step's GRPO group ids (TransferQueue's ``uid``), read before verl's debug-metrics hook runs
+    (its batch carries no ``uid``); ``None`` between steps."""
 
 
 _ACTIVE: contextvars.ContextVar[Run | None] = contextvars.ContextVar("rlalign_verl_run", default=None)

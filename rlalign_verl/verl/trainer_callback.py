@@ -237,9 +237,8 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
             return result
         extra = loggable(step_mismatch_metrics(data, run.config)) if run.spec.metrics else {}
         if run.doctor is not None:
-            extra.update(
-                loggable(doctor_step(run.doctor, data, int(getattr(run.trainer, "global_steps", 0) or 0)))
-            )
+            step = int(getattr(run.trainer, "global_steps", 0) or 0)
+            extra.update(loggable(doctor_step(run.doctor, data, step, group_ids=run.group_ids)))
         if run.legacy and run.verify is not None:  # the legacy trainer verifies here, before the update
             from .verify_hooks import legacy_verify_step
 

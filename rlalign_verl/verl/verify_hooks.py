@@ -44,10 +44,21 @@ def _bypass_mode(config: Any) -> bool:
 
 
 def wrap_v1_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Verification after verl's recompute; before it, the step's group ids for the doctor (the debug-metrics hook
+    that verl calls inside this method gets no ``uid``)."""
+
     @functools.wraps(original)
     def _compute_old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
-        out = original(self, batch, metrics)
         run = active()
+        if run is not None and not run.legacy and run.doctor is not None:
+            from .doctor_step import v1_group_ids
+
+            run.group_ids = v1_group_ids(batch)
+        try:
+            out = original(self, batch, metrics)
+        finally:
+            if run is not None:
+                run.group_ids = None
         if run is not None and not run.legacy and _due(run, self):
             from .verify_run import guarded, v1_verify
 

@@ -135,19 +135,24 @@ class V1Rollout:
     """Plays the agent loop (writes each trajectory into TransferQueue) and the actor worker's
     ``compute_log_prob`` (writes ``log_probs``/``entropy`` over prompt+response, as the engine does)."""
 
-    def __init__(self, tq, unaligned_scale: float = 2.0):
+    def __init__(self, tq, unaligned_scale: float = 2.0, *, twin_first_group: bool = False):
         self.tq = tq
         self.outputs: list[dict[str, torch.Tensor]] = []
+        self.twin_first_group = twin_first_group
+        """Sample the first group's two sequences identically (as a fixed sampling seed does)."""
         self.verify_passes: list[tuple[int, str | None, int]] = []
         self.unaligned_scale = unaligned_scale
         self.step = 0
 
     def put_step(self, step: int, n: int):
-        from tensordict import TensorDict
+        from tensordict import NonTensorStack, TensorDict
         from transfer_queue import KVBatchMeta
 
         self.step = step
         data = step_tensors(step, n=n)
+        if self.twin_first_group:
+            for key in ("responses", "response_mask", "rollout_log_probs", "rm_scores"):
+                data[key][1] = data[key][0]
         data["old_log_probs"] = train_log_probs(data["rollout_log_probs"], step) * data["response_mask"]
         self.outputs.append(data)
         lens = data["response_mask"].sum(-1).tolist()
@@ -157,6 +162,8 @@ class V1Rollout:
             "responses": _nested([data["responses"][i, :k] for i, k in enumerate(lens)]),
             "response_mask": _nested([data["response_mask"][i, :k] for i, k in enumerate(lens)]),
             "rollout_log_probs": _nested([data["rollout_log_probs"][i, :k] for i, k in enumerate(lens)]),
+            # the GRPO group id per sequence (verl's uid: ROLLOUT_N consecutive samples of one prompt)
+            "uid": NonTensorStack(*[f"p{step}_{i // ROLLOUT_N}" for i in range(n)]),
         }
         self.tq.kv_batch_put(keys=keys, partition_id="train", fields=TensorDict(fields, batch_size=n))
         self.batch = KVBatchMeta(partition_id="train", keys=keys, tags=[{"seq_len": 3 + k} for k in lens])
@@ -190,7 +197,7 @@ class V1Rollout:
         return batch
 
 
-def v1_trainer(config, transfer_queue, tmp_path, monkeypatch, *, unaligned_scale: float = 2.0):
+def v1_trainer(config, transfer_queue, tmp_path, monkeypatch, *, unaligned_scale: float = 2.0, **rollout):
     from verl.trainer.ppo.v1 import get_trainer_cls
 
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "v1.jsonl"))
@@ -202,7 +209,7 @@ def v1_trainer(config, transfer_queue, tmp_path, monkeypatch, *, unaligned_scale
     trainer.checkpoint_manager = CheckpointManager()
     trainer.reward_loop_manager = type("RewardLoop", (), {"reward_loop_worker_handles": []})()
     trainer._init_dump_executor()
-    io = V1Rollout(transfer_queue, unaligned_scale)
+    io = V1Rollout(transfer_queue, unaligned_scale, **rollout)
     trainer.replay_buffer = io
     trainer.actor_rollout_wg = io
 
