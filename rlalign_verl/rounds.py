@@ -116,16 +116,22 @@ def round_metrics(
         return out
     out[f"{prefix}rounds/per_seq_mean"] = float(per_seq[per_seq > 0].double().mean())
     out[f"{prefix}rounds/per_seq_max"] = float(per_seq.max())
-    index = index.clamp(max=max_rounds)
-    # |Δ| per token in float64 (float32 on MPS, which has no float64); NaN/inf tokens fall out of the shares
+    index = index.clamp(max=max_rounds).to(train.device)
+    train, rollout = train.detach(), rollout.detach().to(train.device)
+    # |Δ| in float64 (float32 on MPS, which has no float64); NaN/inf tokens fall out of the shares
     dtype = torch.float32 if train.device.type == "mps" else torch.float64
-    delta = (train.detach().to(dtype) - rollout.detach().to(train.device, dtype)).abs()
     for k in range(1, min(int(per_seq.max()), max_rounds) + 1):
-        in_round = (index == k).to(train.device)
+        in_round = index == k
         name = f"{prefix}round_{k}/"
-        stats = compute_mismatch_metrics(train, rollout, in_round, quantiles=False, prefix=name)
+        # the round's tokens packed into one row: every ROUND_KEYS statistic is per token, and only these tokens
+        # are upcast (not the whole [B, T] batch once per round)
+        t, r = train[in_round][None], rollout[in_round][None]
+        stats = compute_mismatch_metrics(
+            t, r, torch.ones_like(t, dtype=torch.bool), quantiles=False, prefix=name
+        )
         out.update({name + key: float(stats[name + key]) for key in ROUND_KEYS if name + key in stats})
-        counted = in_round & torch.isfinite(delta)
+        delta = (t.to(dtype) - r.to(dtype)).abs()
+        counted = torch.isfinite(delta)
         if bool(counted.any()):
             out[name + "share_above_1"] = int(((delta > 1.0) & counted).sum()) / int(counted.sum())
         if same is not None:

@@ -197,26 +197,13 @@ def e2e_step(ops: Any, checked: dict[str, str], *, arch: str, prompts: int, toke
 def router_rows(ops: Any, experts: int, top_k: int, renormalize: bool, seed: int = 0) -> dict[str, float]:
     """``{row: fraction bit-identical}``: the vllm profile's router (and ``router_softmax=topk``) vs the
     built ``topk_softmax`` kernel, on bf16 gate logits ``[256, experts]``."""
-    import dataclasses
-
     from rlalign_verl.profiles import get_profile
-    from rlalign_verl.regions.moe import route
 
-    prof = get_profile("vllm").moe
     g = torch.Generator(device="cpu").manual_seed(seed + experts)
     logits = (torch.randn(256, experts, generator=g) * 2).to(torch.bfloat16).to(ops.device)
     w_eng, ids = natives_mod.topk_softmax(ops.ops, logits, top_k, renormalize)
-    order = ids.long().argsort(-1)
-    rows: dict[str, float] = {}
-    for name, r in (
-        ("profile", prof),
-        ("router_softmax=topk", dataclasses.replace(prof, router_softmax="topk")),
-    ):
-        w, i = route(logits, top_k, renormalize, r)
-        rows[f"router_ids[{name}]"] = float(torch.equal(i.sort(-1).values, ids.long().sort(-1).values))
-        same = w.float().gather(1, i.argsort(-1)) == w_eng.gather(1, order)
-        rows[f"router_weights[{name}]"] = same.float().mean().item()
-    return rows
+    moe_check = importlib.import_module("gpu_moe_check")
+    return moe_check.router_rows_against(logits, top_k, renormalize, get_profile("vllm").moe, w_eng, ids)
 
 
 def router_misses(rows: dict[str, float]) -> list[str]:

@@ -39,28 +39,12 @@ class Engine:
 
 
 def _vllm_eager_engine(ops: Any = None) -> Engine:
-    """vLLM's CUDA kernels: ``torch.ops._C`` of the installed vLLM, or ``ops`` (the bundle's built kernels)."""
-    ops = torch.ops._C if ops is None else ops
-
-    def rms(x, w, eps):
-        out = torch.empty_like(x)
-        ops.rms_norm(out, x, w, eps)
-        return out
-
-    def add_rms(h, r, w, eps):
-        h2, r2 = h.clone(), r.clone()
-        ops.fused_add_rms_norm(h2, r2, w, eps)
-        return h2, r2
-
-    def silu(gu):
-        out = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, dtype=gu.dtype, device=gu.device)
-        ops.silu_and_mul(out, gu)
-        return out
-
-    def rope(pos, q, k, head_size, cache):
-        q2, k2 = q.clone(), k.clone()
-        ops.rotary_embedding(pos, q2, k2, head_size, cache, True)
-        return q2, k2
+    """vLLM's CUDA kernels: ``torch.ops._C`` of the installed vLLM, or ``ops`` (the bundle's built kernels), called
+    as vLLM's Python wrappers call them (:func:`gpu_bundle_natives.eager_ops_functions`)."""
+    fns = importlib.import_module("gpu_bundle_natives").eager_ops_functions(
+        torch.ops._C if ops is None else ops
+    )
+    rms, rope = fns["rms"], fns["rope"]
 
     def qk_rope(pos, q, k, wq, wk, head_size, cache, eps):
         t = q.shape[0]
@@ -68,7 +52,7 @@ def _vllm_eager_engine(ops: Any = None) -> Engine:
         kn = rms(k.view(t, -1, head_size).contiguous(), wk, eps).view(t, -1)
         return rope(pos, qn, kn, head_size, cache)
 
-    return Engine("vllm-eager", rms, add_rms, silu, rope, torch.bfloat16, qk_norm_rope=qk_rope)
+    return Engine("vllm-eager", rms, fns["add_rms"], fns["silu"], rope, torch.bfloat16, qk_norm_rope=qk_rope)
 
 
 def _mark_tokens_dynamic(*tensors: torch.Tensor) -> None:

@@ -60,29 +60,39 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a == b).float().mean().item()
 
 
-def moe_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, float]:
-    """``{row: fraction bit-identical}``: the vllm profile's MoE rounding (and each one-field mutation of it)
-    vs vLLM's ``fused_topk`` (router) and Triton ``fused_experts`` (experts + combine)."""
+def router_rows_against(logits, top_k: int, renormalize: bool, prof, w_eng, ids) -> dict[str, float]:
+    """``router_ids[...]`` / ``router_weights[...]``: the profile's router (``prof``, a MoE rounding) and its
+    ``router_softmax=topk`` variant vs the engine's weights ``w_eng`` and expert ids ``ids``, in expert order."""
     import dataclasses
 
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+    from rlalign_verl.regions.moe import route
 
-    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
-    from rlalign_verl.regions.moe import mix_experts, route
-
-    prof = get_profile("vllm").moe
-    x, gate_up, down, logits = _inputs(device, seed, top_k)
-    w_eng, ids, _ = fused_topk(x, logits, top_k, True)
     order = ids.long().argsort(-1)
     rows: dict[str, float] = {}
     for name, r in (
         ("profile", prof),
         ("router_softmax=topk", dataclasses.replace(prof, router_softmax="topk")),
     ):
-        w, i = route(logits, top_k, True, r)
+        w, i = route(logits, top_k, renormalize, r)
         rows[f"router_ids[{name}]"] = float(torch.equal(i.sort(-1).values, ids.long().sort(-1).values))
         rows[f"router_weights[{name}]"] = _same(w.float().gather(1, i.argsort(-1)), w_eng.gather(1, order))
+    return rows
+
+
+def moe_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, float]:
+    """``{row: fraction bit-identical}``: the vllm profile's MoE rounding (and each one-field mutation of it)
+    vs vLLM's ``fused_topk`` (router) and Triton ``fused_experts`` (experts + combine)."""
+
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
+    from rlalign_verl.regions.moe import mix_experts
+
+    prof = get_profile("vllm").moe
+    x, gate_up, down, logits = _inputs(device, seed, top_k)
+    w_eng, ids, _ = fused_topk(x, logits, top_k, True)
+    rows = router_rows_against(logits, top_k, True, prof, w_eng, ids)
     y_eng = fused_experts(x, gate_up, down, w_eng, ids)
     for name, r in _mutations(prof, top_k).items():
         w = w_eng if r.weights_dtype == "fp32" else w_eng.to(torch.bfloat16)
@@ -152,7 +162,6 @@ def block_candidates(x, gate_w, shared, routed) -> dict:
 def sglang_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, float] | None:
     """The rows of :func:`moe_rows` and ``block_sum[...]`` for the ``sglang`` profile vs SGLang's own ops;
     ``None`` (with one printed line) where ``sglang`` does not import."""
-    import dataclasses
 
     try:
         from sglang.kernels.ops.elementwise.elementwise import fused_gate_sigmoid_mul_add
@@ -163,20 +172,12 @@ def sglang_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str
         print(f"gpu_moe_check: sglang rows skipped: {type(exc).__name__}: {exc}")
         return None
     from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
-    from rlalign_verl.regions.moe import mix_experts, route
+    from rlalign_verl.regions.moe import mix_experts
 
     prof = get_profile("sglang").moe
     x, gate_up, down, logits = _inputs(device, seed, top_k)
     w_eng, ids = moe_fused_gate(logits, None, top_k, scoring_func="softmax", renormalize=True)
-    order = ids.long().argsort(-1)
-    rows: dict[str, float] = {}
-    for name, r in (
-        ("profile", prof),
-        ("router_softmax=topk", dataclasses.replace(prof, router_softmax="topk")),
-    ):
-        w, i = route(logits, top_k, True, r)
-        rows[f"router_ids[{name}]"] = float(torch.equal(i.sort(-1).values, ids.long().sort(-1).values))
-        rows[f"router_weights[{name}]"] = _same(w.float().gather(1, i.argsort(-1)), w_eng.gather(1, order))
+    rows = router_rows_against(logits, top_k, True, prof, w_eng, ids)
     n_exp = gate_up.shape[0]
     config = MoeRunnerConfig(num_experts=n_exp, num_local_experts=n_exp, top_k=top_k, inplace=False)
     y_eng = fused_experts(x, gate_up, down, (w_eng, ids, logits), config)
