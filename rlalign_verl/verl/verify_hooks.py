@@ -1,7 +1,8 @@
 """Where verl's trainers are hooked for in-run verification (:mod:`.verify_run` does the work).
 
 - v1 trainer: ``PPOTrainer._compute_old_log_prob`` (both modes: after verl's recompute, or in bypass mode where
-  verl copies the rollout's log-probs) — the metrics go into the step's ``metrics`` dict;
+  verl copies the rollout's log-probs) — the metrics go into the step's ``metrics`` dict; the same wrapper reads
+  the step's group ids for the doctor before verl's recompute (:func:`.doctor_step.v1_group_ids`);
 - legacy trainer: the ``calculate_debug_metrics`` hook (:mod:`.trainer_callback`, decoupled mode) and
   ``rollout_corr_helper.apply_bypass_mode`` (bypass mode, metrics kept until the step's
   ``compute_data_metrics``).
@@ -50,8 +51,8 @@ def wrap_v1_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _compute_old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
         run = active()
-        if run is not None and not run.legacy and run.doctor is not None:
-            from .doctor_step import v1_group_ids
+        if run is not None and not run.legacy and run.doctor is not None and not _bypass_mode(self.config):
+            from .doctor_step import v1_group_ids  # bypass mode calls no debug-metrics hook: nothing to feed
 
             run.group_ids = v1_group_ids(batch)
         try:
