@@ -32,6 +32,7 @@ from grpo_recipe import recipe_env, rows, tool_agent
 from ray_cluster import ClusterRun, LocalCluster
 
 from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
+from rlalign_verl.rounds import ROUND_KEYS
 
 pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 
@@ -53,9 +54,8 @@ def cluster(tmp_path_factory) -> ClusterRun:
     out = tmp_path_factory.mktemp("grpo_cluster")
     # a home of its own, as on a fresh machine: no ~/.ray/auth_token, no caches (the script makes the token)
     home = tmp_path_factory.mktemp("fresh_home")
-    agent_knobs, agent_overrides = (
-        tool_agent()
-    )  # two assistant rounds around a tool call, verl's own tool agent
+    # two assistant rounds around a tool call, by verl's own tool agent
+    agent_knobs, agent_overrides = tool_agent()
     knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8",
                  HOME=str(home), **agent_knobs)  # fmt: skip
     overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true", *agent_overrides]
@@ -212,10 +212,6 @@ def test_a_clean_aligned_run_names_no_cause(cluster):
     assert [line for line in log.splitlines() if "doctor:" in line] == [], "a clean run was blamed"
 
 
-ROUND_KEYS = ("logp_abs_diff_mean", "logp_abs_diff_max", "kl_k1", "kl_k3", "ratio_clip_frac", "num_tokens",
-              "share_above_1")  # fmt: skip
-
-
 def test_every_response_has_two_rounds_and_each_is_measured(cluster):
     """tests/support/tiny_tool_agent.py: round 1, the lookup tool's turn (mask 0), round 2, by verl's agent loop."""
     for r in rows(cluster.out / "all.jsonl"):
@@ -223,14 +219,13 @@ def test_every_response_has_two_rounds_and_each_is_measured(cluster):
         assert data["mismatch/rounds/per_seq_max"] == 2.0 and data["mismatch/rounds/per_seq_mean"] >= 1.5
         assert data["num_turns/max"] == 4  # user, assistant, tool, assistant: verl's own count
         for k in (1, 2):
-            said = {key: data[f"mismatch/round_{k}/{key}"] for key in ROUND_KEYS}
+            said = {key: data[f"mismatch/round_{k}/{key}"] for key in (*ROUND_KEYS, "share_above_1")}
             assert all(math.isfinite(v) for v in said.values()), (k, said)
             total += said["num_tokens"]
             # rounding's gap in each round (measured: 0.031 and 0.034 nats/token, nothing above 1 nat)
             assert said["logp_abs_diff_mean"] < 0.1 and said["share_above_1"] == 0.0, (r["step"], k, said)
-        assert (
-            total == data["mismatch/num_tokens"]
-        )  # the rounds partition the sampled tokens; the tool turn is in none
+        # the rounds partition the sampled tokens; the tool turn is in none
+        assert total == data["mismatch/num_tokens"]
 
 
 def test_equal_micro_batches_recompute_the_same_log_probs(cluster):

@@ -67,10 +67,10 @@ def v1_group_ids(meta: Any) -> Any:
     """
     try:
         import numpy as np
-        import transfer_queue as tq
 
-        data = tq.kv_batch_get(keys=list(meta.keys), partition_id=meta.partition_id, select_fields=["uid"])
-        return np.array(data.pop("uid").tolist(), dtype=object)
+        from .verify_run import v1_read
+
+        return np.array(v1_read(meta, ["uid"]).pop("uid").tolist(), dtype=object)
     except Exception as exc:
         warn_once(
             logger, f"mismatch/doctor/dup_rate skipped (group ids unreadable: {type(exc).__name__}: {exc})"

@@ -127,7 +127,8 @@ def _v1_pass(trainer: Any, sub: Any, rung: str | None) -> None:
     trainer.actor_rollout_wg.compute_log_prob(meta)
 
 
-def _v1_read(sub: Any, fields: list[str]) -> Any:
+def v1_read(sub: Any, fields: list[str]) -> Any:
+    """``fields`` of the v1 step's sequences ``sub`` (a ``KVBatchMeta``), from TransferQueue, in its key order."""
     import transfer_queue as tq
 
     return tq.kv_batch_get(keys=list(sub.keys), partition_id=sub.partition_id, select_fields=fields)
@@ -138,7 +139,7 @@ def _v1_log_probs(trainer: Any, sub: Any, rung: str | None) -> Any:
     from verl.workers.utils.padding import response_from_nested
 
     _v1_pass(trainer, sub, rung)
-    data = _v1_read(sub, ["log_probs", "response_mask"])
+    data = v1_read(sub, ["log_probs", "response_mask"])
     return response_from_nested(data["log_probs"], data["response_mask"])
 
 
@@ -155,7 +156,7 @@ def v1_verify(run: Verifier, trainer: Any, batch: Any, *, bypass: bool) -> dict[
     else:
         keep = (real + [i for i in range(len(batch)) if i not in set(real)])[:k]
         sub = batch.select_keys([batch.keys[i] for i in keep])
-    base = _v1_read(
+    base = v1_read(
         sub, ["rollout_log_probs", "response_mask"] + ([] if bypass or not whole else ["old_log_probs"])
     )
     fields = {"rollout": base["rollout_log_probs"], "mask": base["response_mask"]}
