@@ -53,7 +53,8 @@ def test_rounding_alone_names_nothing_over_several_seeds(engine_run, regions):
         sig, lines = Doctor().step(seed + 1, train[rows], engine[rows], mask[rows])
         assert lines == [] and sig["mismatch/doctor/findings"] == 0.0, (seed, lines)
         gaps.append(sig["mismatch/doctor/abs_mean"])
-    assert 0 < max(gaps) < 0.1, gaps  # a rounding-sized gap was judged, not an empty one
+    # a gap was judged, not an empty batch (its size is the host's rounding: no tails, as findings == 0 says)
+    assert min(gaps) > 0, gaps
 
 
 @pytest.mark.parametrize(("temperature", "sharper"), [(1.0, None), (0.7, "trainer's"), (1.2, "rollout's")])

@@ -13,6 +13,8 @@ cluster run of ``tests/test_grpo_cpu.py``.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from grpo_recipe import rows, run_recipe, tool_agent
 
@@ -59,5 +61,15 @@ def test_step_one_names_the_rerendered_round_and_top_p(confounded):
 def test_the_unequal_micro_batch_moves_the_first_update_ratio(confounded):
     """old_log_probs packed 2 sequences at a time against the update's one forward of 32: the kernels round at
     other shapes, so pi/pi_old != 1 before any optimizer step (measured 0.0010; 0.0 with both at 32, and 0.0 in
-    the clean cluster run of test_grpo_cpu.py)."""
-    assert confounded[1]["actor/ppo_kl"] > 0.0
+    the clean cluster run of test_grpo_cpu.py).
+
+    Whether the CPU kernels' rounding depends on the packed length is a property of the host's kernels: it was
+    measured on an AVX512-BF16 host without AMX (and was 0.0 there at 8 single-turn sequences). Other x86 classes
+    (AVX2-only: fp32 conversion kernels; AMX: tile kernels) are not measured, so there only a valid KL is required.
+    """
+    import torch
+
+    kl = confounded[1]["actor/ppo_kl"]
+    assert math.isfinite(kl) and kl >= 0.0
+    if torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported():
+        assert kl > 0.0
