@@ -60,8 +60,8 @@ def test_step_one_names_the_rerendered_round_and_top_p(confounded):
 
 def test_the_unequal_micro_batch_moves_the_first_update_ratio(confounded):
     """old_log_probs packed 2 sequences at a time against the update's one forward of 32: the kernels round at
-    other shapes, so pi/pi_old != 1 before any optimizer step (measured 0.0010; 0.0 with both at 32, and 0.0 in
-    the clean cluster run of test_grpo_cpu.py).
+    other shapes, so pi/pi_old != 1 before any optimizer step (measured 0.0010 and -0.0017; 0.0 with both at 32,
+    and 0.0 in the clean cluster run of test_grpo_cpu.py).
 
     Whether the CPU kernels' rounding depends on the packed length is a property of the host's kernels: it was
     measured on an AVX512-BF16 host without AMX (and was 0.0 there at 8 single-turn sequences). Other x86 classes
@@ -69,7 +69,9 @@ def test_the_unequal_micro_batch_moves_the_first_update_ratio(confounded):
     """
     import torch
 
-    kl = confounded[1]["actor/ppo_kl"]
-    assert math.isfinite(kl) and kl >= 0.0
+    kl = confounded[1][
+        "actor/ppo_kl"
+    ]  # verl's k1 estimate: a signed mean log-ratio (measured +0.0010, -0.0017)
+    assert math.isfinite(kl)
     if torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported():
-        assert kl > 0.0
+        assert kl != 0.0
