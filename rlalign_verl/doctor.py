@@ -33,8 +33,9 @@ import torch
 
 from .doctor_trend import GapTrend
 from .errors import MetricsInputError
-from .metrics import MAX_LOG_PROB, sorted_quantiles
-from .rounds import round_findings, round_metrics, unexplained_mask
+from .metrics import sorted_quantiles
+from .rounds import round_findings, round_metrics_prechecked, unexplained_mask
+from .tensor_inputs import check_ids, check_log_probs, check_step
 
 __all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
 
@@ -55,47 +56,32 @@ DUP_SHARE = 0.5
 GROWTH_REL = 0.5
 
 
+WHERE = "doctor.signatures"
+
+
 def _fail(msg: str) -> MetricsInputError:
-    return MetricsInputError(f"doctor.signatures: {msg}")
+    return MetricsInputError(f"{WHERE}: {msg}")
 
 
-def _check(train: Any, rollout: Any, mask: Any, uid: Any, responses: Any) -> None:
-    for name, value in (("old_log_probs", train), ("rollout_log_probs", rollout), ("response_mask", mask)):
-        if not isinstance(value, torch.Tensor) or value.is_complex() or value.device.type == "meta":
-            raise _fail(
-                f"{name} is a {type(value).__name__}, not a real tensor with data; pass the batch tensor"
-            )
-    shapes = [tuple(train.shape), tuple(rollout.shape), tuple(mask.shape)]
-    if len(set(shapes)) != 1 or train.ndim != 2:
-        raise _fail(
-            f"needs old_log_probs, rollout_log_probs, response_mask of one [batch, response_len] shape, got {shapes}"
-        )
-    if not (train.is_floating_point() and rollout.is_floating_point()):
-        raise _fail("log-probs must be floating point; pass per-token log-probs, not token ids")
-    bad = int((~((mask == 0) | (mask == 1))).sum())
-    if bad:
-        raise _fail(f"response_mask has {bad} value(s) other than 0 and 1; pass a 0/1 or bool mask")
+def _check_groups(uid: Any, responses: Any, shape: tuple[int, ...]) -> None:
+    """The duplicate-rate inputs: ``uid`` and ``responses`` together, one group id per row, token ids."""
     if (uid is None) != (responses is None):
         raise _fail("give uid and responses together (the group-duplicate rate needs both), or neither")
     if responses is None:
         return
-    if not isinstance(responses, torch.Tensor) or tuple(responses.shape) != shapes[0]:
-        got = tuple(responses.shape) if isinstance(responses, torch.Tensor) else type(responses).__name__
-        raise _fail(f"responses must be the {shapes[0]} token-id tensor (batch['responses']), got {got}")
-    if responses.is_floating_point() or responses.is_complex():
-        raise _fail(f"responses is {responses.dtype}; pass the token ids (batch['responses'])")
-    if isinstance(uid, str | bytes) or not hasattr(uid, "__len__") or len(uid) != shapes[0][0]:
+    check_ids(WHERE, "responses", responses, shape, hint=" (batch['responses'])")
+    if isinstance(uid, str | bytes) or not hasattr(uid, "__len__") or len(uid) != shape[0]:
         n = len(uid) if hasattr(uid, "__len__") else type(uid).__name__
         raise _fail(
-            f"uid must hold one group id per sequence ({shapes[0][0]}), got {n}; pass non_tensor_batch['uid']"
+            f"uid must hold one group id per sequence ({shape[0]}), got {n}; pass non_tensor_batch['uid']"
         )
 
 
 def _moments(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype):
-    """One pass over row chunks: per-sequence (count, sum Δ), global sums, nonfinite count, largest log-prob."""
+    """One pass over row chunks: per-sequence (count, sum Δ), global sums and the nonfinite count."""
     rows = max(1, CHUNK_ELEMENTS // train.shape[1])
     bound = torch.finfo(dtype).max ** 0.25  # |Δ| <= bound keeps every sum of squares finite
-    n_seq, s_seq, tops, totals = [], [], [], None
+    n_seq, s_seq, totals = [], [], None
     for r0 in range(0, train.shape[0], rows):
         t, r = train[r0 : r0 + rows].to(dtype), rollout[r0 : r0 + rows].to(dtype)
         m = mask[r0 : r0 + rows] != 0
@@ -106,12 +92,11 @@ def _moments(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, dty
         a = d.abs()
         n_seq.append(v.to(dtype).sum(1))
         s_seq.append(d.sum(1))
-        tops.append(torch.where(v, torch.maximum(t, r), -math.inf).amax())
         sums = torch.stack([(m & ~v).sum().to(dtype), a.sum(), (a > 0.1).sum().to(dtype), (a > 1.0).sum().to(dtype),
                             (d > 0).sum().to(dtype), (d != 0).sum().to(dtype), (d * d).sum(), p.sum(), (p * p).sum(),
                             (d * p).sum(), mid.sum(), (mid * mid).sum(), (d * mid).sum(), (a * p).sum()])  # fmt: skip
         totals = sums if totals is None else totals + sums
-    return torch.cat(n_seq), torch.cat(s_seq), totals, torch.stack(tops).amax()
+    return torch.cat(n_seq), torch.cat(s_seq), totals
 
 
 def _corr(sxy: float, sx: float, sy: float, sxx: float, syy: float, n: float) -> float | None:
@@ -179,9 +164,26 @@ def signatures(
     """The ``mismatch/doctor/*`` signature of one step (see the module docstring); finite floats only.
 
     ``uid`` (one GRPO group id per sequence, e.g. ``batch.non_tensor_batch['uid']``) and ``responses`` (the
-    ``[B, T]`` token ids) add the duplicate rates. Raises :class:`MetricsInputError` on malformed inputs.
+    ``[B, T]`` token ids) add the duplicate rates. Raises :class:`MetricsInputError` on malformed inputs
+    (:func:`~rlalign_verl.tensor_inputs.check_log_probs`).
     """
-    _check(old_log_probs, rollout_log_probs, response_mask, uid, responses)
+    logp = {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs}
+    check_log_probs(WHERE, logp, "response_mask", response_mask)
+    return _signatures(old_log_probs, rollout_log_probs, response_mask, uid, responses, seed, n_boot, prefix)
+
+
+def _signatures(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    uid: Any,
+    responses: torch.Tensor | None,
+    seed: int,
+    n_boot: int,
+    prefix: str,
+) -> dict[str, float]:
+    """:func:`signatures` on log-probs and a mask that passed :func:`~rlalign_verl.tensor_inputs.check_log_probs`."""
+    _check_groups(uid, responses, tuple(old_log_probs.shape))
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
         raise _fail(f"n_boot={n_boot!r}: give an int >= 100 (default {N_BOOT})")
     device = old_log_probs.device
@@ -190,15 +192,13 @@ def signatures(
     mask = response_mask.detach().to(device)
     if train.numel() == 0:
         return {f"{prefix}{k}": 0.0 for k in ("num_tokens", "num_seqs", "nonfinite_tokens")}
-    n_seq, s_seq, totals, top = _moments(train, rollout, mask, dtype)
+    n_seq, s_seq, totals = _moments(train, rollout, mask, dtype)
     nonfinite, sa, n01, n1, npos, nz, sdd, sp, spp, sdp, sm, smm, sdm, sap = totals.tolist()  # one transfer
     keep = n_seq > 0
     n_tok, n_seqs = float(n_seq.sum()), int(keep.sum())
     out = {"num_tokens": n_tok, "num_seqs": float(n_seqs), "nonfinite_tokens": nonfinite}
     if n_tok == 0:
         return {prefix + k: float(v) for k, v in out.items()}
-    if float(top) > MAX_LOG_PROB:
-        raise _fail(f"log-probs up to {float(top):.4g} > 0 on response tokens; pass log-probs, not logits")
     sd = float(s_seq.sum())
     bias, abs_mean = sd / n_tok, sa / n_tok
     lo, hi = _bootstrap(s_seq[keep], n_seq[keep], seed, n_boot) if n_seqs > 1 else (bias, bias)
@@ -346,22 +346,27 @@ class Doctor:
         batch (:mod:`rlalign_verl.rounds`), and the verdict lines due for logging now.
 
         ``trainer_ids``/``rollout_ids``: the ``[B, T]`` ids the trainer scored at the response positions and the ids
-        the rollout sampled, for ``mismatch/doctor/token_id_mismatch``.
+        the rollout sampled, for ``mismatch/doctor/token_id_mismatch``. ``step``: an int (it seeds the bootstrap).
+        Raises :class:`MetricsInputError` on malformed inputs (:mod:`rlalign_verl.tensor_inputs`).
         """
-        sig = signatures(
-            old_log_probs, rollout_log_probs, response_mask, uid=uid, responses=responses, seed=step
+        step = check_step("Doctor.step", step)
+        logp = {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs}
+        check_log_probs("Doctor.step", logp, "response_mask", response_mask)  # once, for every part below
+        sig = _signatures(
+            old_log_probs, rollout_log_probs, response_mask, uid, responses, step, N_BOOT, PREFIX
         )
         if PREFIX + "abs_mean" in sig:
             sig.update(self.trend.update(step, sig[PREFIX + "abs_mean"]))
-        sig.update(round_metrics(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
-                                 rollout_ids=rollout_ids))  # fmt: skip
+        sig.update(round_metrics_prechecked(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
+                                            rollout_ids=rollout_ids, where="Doctor.step"))  # fmt: skip
         by_round = round_findings(sig)
         found = findings(sig, self.context)
         if (
             by_round
         ):  # other ids or another history explain their tokens: the rest of the batch is judged alone
             rest = unexplained_mask(response_mask, [c for c, _ in by_round], trainer_ids, rollout_ids)
-            alone = findings(signatures(old_log_probs, rollout_log_probs, rest, seed=step), self.context)
+            alone = _signatures(old_log_probs, rollout_log_probs, rest, None, None, step, N_BOOT, PREFIX)
+            alone = findings(alone, self.context)
             found = [f for f in found if f[0] not in _SHAPE_CAUSES] + [
                 f for f in alone if f[0] in _SHAPE_CAUSES
             ]

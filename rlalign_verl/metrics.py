@@ -19,8 +19,10 @@ the importance ratio ``r = pi_train / pi_rollout``) the keys are:
 Empty input (no valid token): only the three counts are returned (all statistics absent, no NaN).
 Every value is finite: a per-token log-ratio beyond ``finfo(work dtype).max ** 0.25`` nats (about 1e77 in
 float64; only garbage inputs such as -1e200 log-probs reach it) is clamped there, so ``d^2`` sums cannot
-overflow. Inputs that are not tensors of one 2-D shape, or a clip range that is not a number, raise
-:class:`~rlalign_verl.errors.MetricsInputError` (a ``ValueError``) naming the fix.
+overflow. Inputs refused by :func:`rlalign_verl.tensor_inputs.check_log_probs` (not tensors of one 2-D shape,
+integer log-probs, a mask of other values than 0/1, probabilities or other positive values on response tokens),
+or a clip range that is not a number, raise :class:`~rlalign_verl.errors.MetricsInputError` (a ``ValueError``)
+naming the fix.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import torch
 
 from .errors import MetricsInputError
+from .tensor_inputs import MAX_LOG_PROB as MAX_LOG_PROB  # re-exported: it lived here first
+from .tensor_inputs import check_log_probs
 
 __all__ = ["compute_mismatch_metrics", "sorted_quantiles", "METRIC_NAMES", "COUNT_NAMES"]
 
@@ -70,59 +74,12 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-MAX_LOG_PROB = 1e-3
-"""The largest log-prob accepted: log-softmax is <= 0, and rounding in bf16/fp32 leaves far less above 0."""
-
-
-def _check_tensor(name: str, value: Any) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise MetricsInputError(
-            f"compute_mismatch_metrics: {name} is a {type(value).__name__}, not a torch.Tensor; "
-            f"convert it with torch.as_tensor({name})"
-        )
-    if value.is_complex() or value.device.type == "meta":
-        raise MetricsInputError(
-            f"compute_mismatch_metrics: {name} is a {value.dtype} tensor on {value.device}; pass real log-probs "
-            f"holding data (e.g. {name}.float() on cpu or cuda)"
-        )
-
-
 def _clip_eps(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise MetricsInputError(
             f"compute_mismatch_metrics: {name}={value!r} is not a finite number >= 0; give e.g. {name}=0.2"
         )
     return float(value)
-
-
-def _check_inputs(train: Any, rollout: Any, mask: Any) -> None:
-    for name, value in (("train_log_probs", train), ("rollout_log_probs", rollout), ("response_mask", mask)):
-        _check_tensor(name, value)
-    shapes = (tuple(train.shape), tuple(rollout.shape), tuple(mask.shape))
-    if len(set(shapes)) != 1 or len(shapes[0]) != 2:
-        raise MetricsInputError(
-            "compute_mismatch_metrics needs train_log_probs, rollout_log_probs and response_mask of one "
-            f"[batch, response_len] shape; got {shapes[0]}, {shapes[1]} and {shapes[2]}. Pass the response "
-            "part only (verl: batch['old_log_probs'], batch['rollout_log_probs'], batch['response_mask'])."
-        )
-    for name, value in (("train_log_probs", train), ("rollout_log_probs", rollout)):
-        if not value.is_floating_point():
-            raise MetricsInputError(
-                f"compute_mismatch_metrics: {name} is a {str(value.dtype).removeprefix('torch.')} tensor; log-probs "
-                "are floating point: pass the per-token log-probs themselves (not token ids or counts)"
-            )
-    if mask.dtype is not torch.bool:
-        # one sync: a mask of 0.5, -1 or NaN would otherwise count as "valid" (!= 0)
-        bad = (
-            int(((mask != 0) & (mask != 1)).sum())
-            if not mask.is_floating_point()
-            else int((~((mask == 0) | (mask == 1))).sum())
-        )
-        if bad:
-            raise MetricsInputError(
-                f"compute_mismatch_metrics: response_mask has {bad} value(s) other than 0 and 1 (e.g. 0.5, -1 or "
-                "NaN); pass a 0/1 (or bool) mask of the response tokens, e.g. (mask > 0)"
-            )
 
 
 def sorted_quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
@@ -157,7 +114,7 @@ def compute_mismatch_metrics(
     Args:
         train_log_probs: ``[batch, response_len]`` log-probs recomputed by the trainer (any float dtype).
         rollout_log_probs: same shape, log-probs reported by the inference engine.
-        response_mask: same shape; non-zero marks a valid response token (bool, int or float).
+        response_mask: same shape; 1 marks a response token, 0 the rest (bool, int or float).
         clip_ratio, clip_ratio_low, clip_ratio_high: PPO clip range ``[1 - low, 1 + high]`` for
             ``ratio_clip_frac``; ``low``/``high`` default to ``clip_ratio``.
         quantiles: compute ``logp_abs_diff_p50/p90/p99`` (one sort of the valid tokens).
@@ -168,10 +125,15 @@ def compute_mismatch_metrics(
         With no valid token only ``num_tokens``, ``num_seqs`` and ``nonfinite_tokens`` are returned.
 
     Raises:
-        MetricsInputError: an input is not a tensor, the three do not share one 2-D shape, or a clip
-            ratio is not a finite number >= 0.
+        MetricsInputError: an input refused by :func:`~rlalign_verl.tensor_inputs.check_log_probs`, or a
+            clip ratio that is not a finite number >= 0.
     """
-    _check_inputs(train_log_probs, rollout_log_probs, response_mask)
+    check_log_probs(
+        "compute_mismatch_metrics",
+        {"train_log_probs": train_log_probs, "rollout_log_probs": rollout_log_probs},
+        "response_mask",
+        response_mask,
+    )
     eps = _clip_eps("clip_ratio", clip_ratio)
     eps_low = eps if clip_ratio_low is None else _clip_eps("clip_ratio_low", clip_ratio_low)
     eps_high = eps if clip_ratio_high is None else _clip_eps("clip_ratio_high", clip_ratio_high)
@@ -201,13 +163,6 @@ def compute_mismatch_metrics(
     # Statistics over the valid tokens only (1-D), so NaN/inf and padding never enter a reduction.
     t = train[valid].to(dtype)
     r = rollout[valid].to(dtype)
-    highest = torch.stack([t.max(), r.max()]).tolist()
-    for name, top in zip(("train_log_probs", "rollout_log_probs"), highest, strict=True):
-        if top > MAX_LOG_PROB:  # a log-prob is <= 0; rounding leaves at most a few ulp above
-            raise MetricsInputError(
-                f"compute_mismatch_metrics: {name} has values up to {top:.4g} > 0 on response tokens; log-probs are "
-                "<= 0: pass log-probs (not probabilities, logits or log-ratios)"
-            )
     bound = torch.finfo(dtype).max ** 0.25  # |d| <= bound keeps every sum of d^2 finite
     d = (t - r).nan_to_num(posinf=bound, neginf=-bound).clamp(-bound, bound)
     abs_d = d.abs()

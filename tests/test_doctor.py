@@ -251,7 +251,8 @@ def test_nonfinite_and_empty_inputs_give_counts_only():
             {"uid": ["a", "b"], "responses": torch.zeros(2, 3)},
             "token ids",
         ),  # fmt: skip
-        ((torch.full((2, 3), 0.5), torch.zeros(2, 3), torch.ones(2, 3)), {}, "pass log-probs, not logits"),
+        ((torch.full((2, 3), 0.5), torch.zeros(2, 3), torch.ones(2, 3)), {}, "probabilities, not log-probs"),
+        ((torch.full((2, 3), 3.0), torch.zeros(2, 3), torch.ones(2, 3)), {}, "pass log-probs, not logits"),
         ((torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)), {"n_boot": 10}, "n_boot=10"),
     ],
 )

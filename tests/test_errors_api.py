@@ -52,6 +52,47 @@ BAD = {
     "engine a number": (tiny, {"engine": 5}, UnknownProfileError, "valid profiles"),
     "compile='maybe'": (tiny, {"compile": "maybe"}, ConfigFormatError, "compile=false"),
     "kernels a number": (tiny, {"kernels": 5}, ConfigFormatError, "kernels=5: use one of torch, triton"),
+    # values that used to turn alignment off or fall back to a default without a word (issue 34)
+    "regions=None": (tiny, {"regions": None}, ConfigFormatError, "or [] to turn it off"),
+    "regions=[None]": (tiny, {"regions": [None]}, ConfigFormatError, "holds None, not a region name"),
+    "regions=[rope, 3]": (tiny, {"regions": ["rope", 3]}, ConfigFormatError, "holds 3, not a region name"),
+    "engine=False": (tiny, {"engine": False}, ConfigFormatError, "engine=False: give auto or a profile name"),
+    "engine=0": (tiny, {"engine": 0}, ConfigFormatError, "engine=0: give auto or a profile name"),
+    "engine=''": (tiny, {"engine": ""}, ConfigFormatError, "give auto or a profile name"),
+    "attention=''": (
+        tiny,
+        {"regions": "all,attention", "engine": "vllm-cpu", "attention": ""},
+        ConfigFormatError,
+        "attention='': use one of engine-op, sdpa-fp32",
+    ),  # fmt: skip
+    "kernels=False": (tiny, {"kernels": False}, ConfigFormatError, "use one of torch, triton"),
+    "head_dtype=''": (
+        tiny,
+        {"regions": "lm_head", "head_dtype": ""},
+        ConfigFormatError,
+        "use one of float32, model",
+    ),
+    "moe_variant=0": (tiny, {"moe_variant": 0}, ConfigFormatError, "use one of emulate, engine-op"),
+    "unverified=[None]": (tiny, {"unverified": [None]}, ConfigFormatError, "give names: moe"),
+    # a region or opt-in that would change nothing on this model is refused, not reported as aligned
+    "moe on a dense model": (
+        tiny,
+        {"regions": "all,moe", "engine": "vllm-cpu"},
+        UnsupportedModelError,
+        "qwen2 is a dense model (it has none): it would align nothing; drop moe",
+    ),  # fmt: skip
+    "moe alone on a dense model": (
+        tiny,
+        {"regions": "moe", "engine": "vllm-cpu"},
+        UnsupportedModelError,
+        "drop moe from the regions",
+    ),  # fmt: skip
+    "unverified=[moe] on a dense model": (
+        tiny,
+        {"unverified": ["moe"]},
+        UnsupportedModelError,
+        "the dense qwen2 never uses; drop it",
+    ),  # fmt: skip
 }
 
 
@@ -65,6 +106,50 @@ def test_bad_api_input_is_a_typed_one_line_error(case):
     assert fragment in line and "\n" not in line, line
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         assert get_alignment(model) is None  # nothing half-applied
+
+
+def test_json_spec_engine_auto_false_reads_false():
+    """A JSON/dict spec's engine_auto is parsed as a boolean: the text "false" used to read as True."""
+    from rlalign_verl.spec import AlignmentSpec
+
+    spec = AlignmentSpec.parse({"regions": ["rope"], "engine": "vllm", "engine_auto": "false"})
+    assert spec.engine_auto is False
+    assert (
+        AlignmentSpec.parse({"regions": ["rope"], "engine": "vllm", "engine_auto": "true"}).engine_auto
+        is True
+    )
+    with pytest.raises(ConfigFormatError, match="engine_auto='maybe' is not a boolean"):
+        AlignmentSpec.parse({"regions": ["rope"], "engine": "vllm", "engine_auto": "maybe"})
+    assert AlignmentSpec.parse({}).regions == ()  # a missing regions key: off (the Hydra default is [])
+
+
+def test_the_model_is_taken_by_keyword_or_position():
+    """apply_alignment / aligned / remove_alignment take ``model=`` like Liger's apply_liger_kernel_to_*(model=)."""
+    from rlalign_verl import aligned
+    from rlalign_verl.spec import AlignmentSpec
+
+    by_keyword = apply_alignment(model=tiny(), regions=["rope"], engine="vllm")
+    assert get_alignment(by_keyword).regions == ("rope",)
+    remove_alignment(model=by_keyword)
+    assert get_alignment(by_keyword) is None
+    by_spec = apply_alignment(model=tiny(), spec=AlignmentSpec.parse(regions=["swiglu"], engine="vllm"))
+    assert get_alignment(by_spec).regions == ("swiglu",)
+    with aligned(model=by_keyword, regions="rmsnorm", engine="vllm") as m:
+        assert get_alignment(m).regions == ("rmsnorm",)
+    assert get_alignment(by_keyword) is None
+
+
+def test_engine_auto_follows_the_model_device_and_says_so(caplog):
+    """engine=auto in Python picks the engine build of the model's device (a CPU model: vllm-cpu, not the CUDA
+    vllm profile) and says which at INFO."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="rlalign_verl"):
+        model = apply_alignment(tiny(), regions=["rmsnorm"], engine="auto")
+    assert get_alignment(model).profile.name == "vllm-cpu"
+    assert any(
+        "engine=auto chose profile vllm-cpu for a model on cpu" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_compile_false_as_text_means_not_compiled():

@@ -199,5 +199,9 @@ def test_dense_model_is_refused() -> None:
     ):
         apply_alignment(model, regions=MOE, engine="vllm-cpu", moe_variant="engine-op")
     assert get_alignment(model) is None
-    apply_alignment(model, regions=MOE, engine="vllm-cpu")  # emulate (default) is fine on a dense model
+    # the moe region itself would align nothing on a dense model: refused, not logged as aligned (issue 34)
+    with pytest.raises(UnsupportedModelError, match="qwen3 is a dense model .* drop moe from the regions"):
+        apply_alignment(model, regions=MOE, engine="vllm-cpu")
+    assert get_alignment(model) is None
+    apply_alignment(model, regions=MOE[:3], engine="vllm-cpu")
     assert get_alignment(model).moe_variant == "emulate"

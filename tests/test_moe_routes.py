@@ -116,6 +116,9 @@ def test_engine_routes_match_the_aligned_trainer(tiny_checkpoint) -> None:
     assert per_layer.max() < 0.2 and per_layer.mean() < 0.1
 
 
+N_SEQS = 32
+
+
 @pytest.mark.engine
 def test_diagnose_tiny_qwen3_moe_eager_reaches_the_floor(tmp_path, capsys) -> None:
     """diagnose on the tiny Qwen3-MoE (real engine, eager path): the table gains the opt-in moe settings and
@@ -126,30 +129,41 @@ def test_diagnose_tiny_qwen3_moe_eager_reaches_the_floor(tmp_path, capsys) -> No
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed")
     out = tmp_path / "out"
-    args = ["diagnose", "--tiny", "qwen3_moe", "--engine", "vllm-cpu-eager", "--num-prompts", "8",
+    args = ["diagnose", "--tiny", "qwen3_moe", "--engine", "vllm-cpu-eager", "--num-prompts", str(N_SEQS),
             "--max-tokens", "16", "--no-plots", "--no-probe", "--out", str(out)]  # fmt: skip
     assert cli_main(args) == 0
     assert "route flip" in capsys.readouterr().out
     import json
 
+    import torch
+
     res = json.loads((out / "diagnose.json").read_text())
     s = res["settings"]
     assert {"none", "all", "moe", "all+moe"} <= set(s)
-    # "reaches the floor", judged with a paired bootstrap over the 8 sequences (the settings and the floor score
-    # the same sampled tokens): all+moe is not above the floor, while none is. Point ratios are host-dependent:
-    # on AVX512 hosts without AMX the engine's cpu_fused_moe accumulates its GEMMs sequentially and uses a
-    # polynomial exp in SwiGLU (docs/moe.md, "Host dependence"), so emulate leaves ~0.1% of expert outputs off;
-    # there all+moe measured 0.0950 vs a floor of 0.0855 (1.1x; paired difference 0.0095 [-0.004, 0.034]) and
-    # none 0.118 (difference 0.033 [0.008, 0.066]).
-    per_token = {k: np.asarray(v).reshape(8, 16) for k, v in res["per_token_abs_diff"].items()}
+    # "reaches the floor", judged with a paired bootstrap over the sequences (the settings and the floor score
+    # the same sampled tokens): none is above the floor, all+moe is not. 32 sequences, because 8 do not separate
+    # none from the floor on every x86 class: on an AVX2-only EPYC (truncating C++ stores) the first 8 gave
+    # none - floor = -0.022 [-0.065, 0.013], 16 gave 0.082 [0.009, 0.165], 32 gave 0.109 [0.043, 0.181]
+    # (all+moe - floor at 32: 0.0014 [-0.0008, 0.0043]).
+    per_token = {k: np.asarray(v).reshape(N_SEQS, 16) for k, v in res["per_token_abs_diff"].items()}
 
     def paired_ci(setting: str) -> tuple[float, float]:
         diff = (per_token[setting] - per_token["floor"]).mean(axis=1)  # per sequence
-        boots = diff[np.random.default_rng(0).integers(0, 8, (10_000, 8))].mean(axis=1)
+        boots = diff[np.random.default_rng(0).integers(0, N_SEQS, (10_000, N_SEQS))].mean(axis=1)
         return float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
 
     assert paired_ci("none")[0] > 0, paired_ci("none")
-    assert paired_ci("all+moe")[0] <= 0, paired_ci("all+moe")
+    if torch.cpu._is_avx512_bf16_supported():
+        # AVX512-BF16 hosts: the engine's cpu_fused_moe accumulates its GEMMs sequentially and uses a polynomial
+        # exp in SwiGLU (docs/moe.md, "Host dependence"), so emulate leaves ~0.1% of expert outputs off and
+        # all+moe sits just above the floor: measured 0.0950 vs 0.0855 (1.11x) at 8 sequences. Bound: 1.25x.
+        mean = {k: float(v.mean()) for k, v in per_token.items()}
+        assert paired_ci("all+moe")[0] <= 0 or mean["all+moe"] <= 1.25 * mean["floor"], (
+            paired_ci("all+moe"),
+            mean,
+        )
+    else:  # AVX2 / AVX512 without BF16: emulate matches the engine's expert outputs (docs/moe.md)
+        assert paired_ci("all+moe")[0] <= 0, paired_ci("all+moe")
     assert s["all+moe"]["moe/route_flip_frac"] < s["none"]["moe/route_flip_frac"]
     assert len(s["none"]["moe/route_flip_frac_per_layer"]) == 4
     lo, hi = s["none"]["ci95"][FLIP_KEY]

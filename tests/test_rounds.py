@@ -134,7 +134,7 @@ def test_the_doctor_logs_rounds_and_says_the_round_cause_instead_of_tails():
         ({"trainer_ids": torch.zeros(1, 3, dtype=torch.long), "rollout_ids": torch.zeros(1, 4, dtype=torch.long)},
          "token-id tensor"),
         ({"max_rounds": 1}, "max_rounds"),
-        ({"mask_width": 3}, "the response mask's shape"),
+        ({"mask_width": 3}, r"one \[batch, response_len\] shape, got \(1, 4\), \(1, 4\) and \(1, 3\)"),
     ],
 )  # fmt: skip
 def test_bad_inputs_fail_in_one_line(kwargs, needle):

@@ -31,6 +31,7 @@ from ..families import get_family
 from ..files import check_file_target, prepare_out_dir, write_text
 from . import pipeline
 from .head import sample_head_dtype
+from .interrupt import Interrupted, signals_as_interrupts
 from .ladder import check_settings, run_ladder
 from .options import DEFAULT_SETTINGS, DiagnoseOptions, parse_settings
 from .progress import stage
@@ -120,14 +121,25 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the command; returns the exit status (2 with a one-line error for bad input)."""
+    """Run the command; returns the exit status (2 with a one-line error for bad input; 130 / 143 with one
+    line when SIGINT / SIGTERM stopped it, the engine child and its temporary files gone)."""
     try:
-        result = diagnose(DiagnoseOptions.from_args(args))
+        with signals_as_interrupts():
+            result = diagnose(DiagnoseOptions.from_args(args))
+            print(format_report(result))
+            paths = result["paths"]
+            print(f"\nwrote {paths['json']}" + "".join(f", {p}" for p in paths.get("plots", [])))
     except AlignmentError as e:
         print(one_line(e), file=sys.stderr)
         return 2
-    print(format_report(result))
-    print(f"\nwrote {result['paths']['json']}" + "".join(f", {p}" for p in result["paths"].get("plots", [])))
+    except Interrupted as e:
+        print(
+            f"[rlalign-verl] interrupted by {e.name}: stopped the run and any engine child, removed their "
+            f"temporary files; what {getattr(args, 'out', 'the output directory')} holds is incomplete, rerun "
+            "the command",
+            file=sys.stderr,
+        )
+        return e.exit_status
     return 0
 
 
@@ -136,9 +148,10 @@ def diagnose(opts: DiagnoseOptions | None = None, **kwargs: Any) -> dict[str, An
 
     ``kwargs`` override fields of ``opts`` (``diagnose(num_prompts=4)``).
     """
+    opts = replace(opts or DiagnoseOptions(), **kwargs)
+    opts.check()  # bad options fail in one line before torch is even imported
     import torch
 
-    opts = replace(opts or DiagnoseOptions(), **kwargs)
     before = torch.get_num_threads()
     try:
         return _diagnose(opts)
@@ -250,6 +263,10 @@ def _result(opts, s, dist, results, floor_result, floor_note, probe_result) -> d
             "profile": s.profile.name,
             "compilation": h.compilation,
             "device": h.device,
+            "tensor_parallel_size": h.tensor_parallel_size,
+            "logprobs_mode": h.logprobs_mode,
+            "logprob_temperature": s.temperature,
+            "extra": h.extra,
             "source": s.source,
             "rollouts": str(s.dump_path),
             "installed": {"name": dist[0], "version": dist[1]} if dist else None,

@@ -69,7 +69,7 @@ def recompute_rows(hf: Any, s: Sample, device: str, seed: int) -> dict[str, dict
         if regions:
             apply_alignment(hf, regions=regions, engine=s.profile.name)
         try:
-            rows[label] = _row(recompute(forward, s.rollouts, f"e2e [{label}]"), s, seed)
+            rows[label] = _row(recompute(forward, s.rollouts, f"e2e [{label}]", s.temperature), s, seed)
         finally:
             remove_alignment(hf)
     return rows
@@ -85,7 +85,11 @@ def floor_row(hf: Any, s: Sample, device: str, seed: int) -> dict[str, Any]:
         from .engine_ops import EngineFloor
 
         fl = EngineFloor(hf, compiled=True)
-    return _row(recompute(lambda ids: fl.logits(ids.to(device)).cpu(), s.rollouts, "e2e [floor]"), s, seed)
+    return _row(
+        recompute(lambda ids: fl.logits(ids.to(device)).cpu(), s.rollouts, "e2e [floor]", s.temperature),
+        s,
+        seed,
+    )
 
 
 def problems_of(rows: dict[str, dict[str, Any]]) -> list[str]:

@@ -206,7 +206,7 @@ def _recompute(
     apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, **options)
     try:
         lps = pipeline.recompute(
-            lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, "recompute [ladder]"
+            lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, "recompute [ladder]", s.temperature
         )
     finally:
         remove_alignment(hf)

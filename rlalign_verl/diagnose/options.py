@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, fields
 
 from ..errors import AlignmentError
@@ -51,11 +52,27 @@ class DiagnoseOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 flag = "--" + name.replace("_", "-")
                 raise AlignmentError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.num_prompts * self.seeds > MAX_ROLLOUTS:
+            raise AlignmentError(
+                f"--num-prompts {self.num_prompts} x --seeds {self.seeds} = {self.num_prompts * self.seeds} "
+                f"rollouts, more than {MAX_ROLLOUTS}: each is recomputed once per setting, one sequence at a time; "
+                "use fewer (32-256 prompts give 95% intervals a few percent wide)"
+            )
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise AlignmentError(f"--temperature must be a finite number >= 0, got {t!r}")
-        if self.threads is not None and self.threads < 1:
-            raise AlignmentError(f"--threads must be >= 1, got {self.threads!r}")
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED:
+            raise AlignmentError(
+                f"--seed must be an integer from 0 to {MAX_SEED} (what vLLM's and numpy's seeding accept), got {s!r}"
+            )
+        if self.threads is not None:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            n = self.threads
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cpus:
+                raise AlignmentError(
+                    f"--threads must be an integer from 1 to {cpus} (the CPUs this process may use), got {n!r}"
+                )
         if self.engine_head_dtype is not None:
             from .head import check_head_option
 
@@ -76,6 +93,12 @@ class DiagnoseOptions:
                 )
         return parse_settings(self.settings)
 
+
+MAX_SEED = 2**32 - 1
+"""vLLM seeds Python's, numpy's and torch's generators with ``--seed`` (numpy takes 0 .. 2**32 - 1); each
+request gets ``seed * 100003 + index``, well within a torch generator's 64 bits."""
+MAX_ROLLOUTS = 100_000
+"""``--num-prompts x --seeds`` above this would take days to recompute (one sequence at a time, per setting)."""
 
 SAMPLING_OPTIONS = ("num_prompts", "max_tokens", "seeds", "temperature")
 """Options that only shape the engine's sampling here; meaningless with a dump (``--rollout-logprobs``)."""

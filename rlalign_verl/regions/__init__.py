@@ -9,7 +9,7 @@ from ..errors import ConfigFormatError, UnknownRegionError
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 ALL_REGIONS = REGIONS
 OPT_IN_REGIONS: tuple[str, ...] = ("moe", "attention", "lm_head")
-"""Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; no-op on dense models),
+"""Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; refused on dense models),
 ``attention`` (vLLM CPU profiles; :mod:`.attention`) and ``lm_head`` (the engine's head dtype; :mod:`.lm_head`)."""
 
 
@@ -23,7 +23,14 @@ def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
     if isinstance(regions, str):
         items = [r for r in regions.replace(" ", "").split(",") if r]
     elif isinstance(regions, Iterable) and not isinstance(regions, Mapping | bytes):
-        items = [str(r).strip() for r in regions]
+        items = list(regions)
+        odd = [r for r in items if not isinstance(r, str)]
+        if odd:  # str(None) would read as "none" and turn alignment off without a word
+            raise ConfigFormatError(
+                f"regions={list(items)!r} holds {odd[0]!r}, not a region name; give names, e.g. "
+                "alignment.regions=[rope,swiglu,rmsnorm], or [] to turn alignment off"
+            )
+        items = [r.strip() for r in items]
     else:
         raise ConfigFormatError(
             f"regions={regions!r} is a {type(regions).__name__}, not a list of region names; give e.g. "

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AlignmentError, one_line
+
+if TYPE_CHECKING:
+    from .runs import Run
 
 
 def add_parser(subparsers: Any) -> None:
@@ -23,39 +26,78 @@ def add_parser(subparsers: Any) -> None:
         metavar="RUN",
         help="a verl file-logger JSONL file (or a directory holding one) or a TensorBoard event directory",
     )
-    parser.add_argument("--out", type=Path, help="output directory (created)")
+    parser.add_argument("--out", help="output directory (created; a symbolic link is refused)")
     parser.add_argument(
         "--labels", default=None, help="comma-separated run names, one per RUN (default: file/dir name)"
     )
     parser.add_argument("--title", default="rlalign-verl mismatch report", help="page title")
     parser.add_argument(
         "--tensorboard-layout",
-        type=Path,
         metavar="LOGDIR",
         help="write the custom-scalars layout (mismatch/* grouped) into a TensorBoard log directory and exit",
     )
 
 
+def _directory(value: str | None, flag: str) -> Path | None:
+    if value is None:
+        return None
+    if not value.strip():  # an unset shell variable: never the current directory by accident
+        raise AlignmentError(f"{flag} is empty; pass a directory path")
+    return Path(value).expanduser()
+
+
+def _labels(args: argparse.Namespace) -> list[str | None]:
+    if not args.labels:
+        return [None] * len(args.runs)
+    labels = [s.strip() or None for s in args.labels.split(",")]
+    if len(labels) != len(args.runs):
+        raise AlignmentError(f"--labels has {len(labels)} names for {len(args.runs)} runs; give one per RUN")
+    named = [x for x in labels if x]
+    twice = sorted({x for x in named if named.count(x) > 1})
+    if twice:
+        raise AlignmentError(f"--labels names {', '.join(twice)} more than once; give each run its own name")
+    return labels
+
+
+def _distinct(runs: list[Run]) -> None:
+    """Two runs with one default label (``a/exp`` and ``b/exp``): number the later ones, and say so."""
+    taken: set[str] = set()
+    for r in runs:
+        label, n = r.label, 1
+        while label in taken:
+            n += 1
+            label = f"{r.label} ({n})"
+        if label != r.label:
+            r.problems.append(
+                f"another run is also named {r.label!r}: this one ({r.source}) is shown as {label!r}"
+            )
+            r.label = label
+        taken.add(label)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``report``; 0 on success, 2 with one ``[rlalign-verl] ERROR`` line for bad input."""
+    """Run ``report``; 0 on success, 2 with one ``[rlalign-verl] ERROR`` line for bad input.
+
+    Every refusal (bad runs, an --out or layout directory that is a link, a file, read-only, or holds a
+    link or a directory where a report file goes) comes before the first file is written.
+    """
     try:
-        if args.tensorboard_layout is not None:
+        layout_dir = _directory(args.tensorboard_layout, "--tensorboard-layout")
+        if layout_dir is not None:
             from .tensorboard import write_layout
 
-            print(f"wrote the custom-scalars layout into {write_layout(args.tensorboard_layout)}")
+            print(f"wrote the custom-scalars layout into {write_layout(layout_dir)}")
             return 0
-        if not args.runs or args.out is None:
+        out = _directory(args.out, "--out")
+        if not args.runs or out is None:
             raise AlignmentError("report needs RUN [RUN ...] and --out DIR (or --tensorboard-layout LOGDIR)")
         from .page import write_report
         from .runs import load_run
 
-        labels = [s.strip() for s in args.labels.split(",")] if args.labels else [None] * len(args.runs)
-        if len(labels) != len(args.runs):
-            raise AlignmentError(
-                f"--labels has {len(labels)} names for {len(args.runs)} runs; give one per RUN"
-            )
+        labels = _labels(args)
         runs = [load_run(path, label) for path, label in zip(args.runs, labels, strict=True)]
-        page = write_report(runs, args.out, title=args.title)
+        _distinct(runs)
+        page = write_report(runs, out, title=args.title)
     except AlignmentError as err:
         print(one_line(err), file=sys.stderr)
         return 2

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import AlignmentError
-from ..files import atomic_target, prepare_out_dir, write_text
+from .output import open_out_dir
 from .runs import Run
 
 __all__ = ["PANELS", "Panel", "plot_panel", "write_report"]
@@ -158,8 +159,6 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if not runs:
         raise AlignmentError("no runs given")
     panels = [p for p in PANELS if any(k in r.series for r in runs for k in p.keys)]
@@ -169,11 +168,23 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
             "none of the runs has a metric to plot (looked for " + ", ".join(known) + "); were the runs "
             "made with the rlalign-verl plugin and alignment.metrics=true?"
         )
-    out = prepare_out_dir(out)
+    names = ["overview.png", *(f"{p.name}.png" for p in panels), "report.html"]
+    with open_out_dir(out) as out_dir:
+        out_dir.check(names)  # --out and every target checked before the first byte is written
+        images = _draw(runs, panels, title)
+        page = _html(title, runs, images).encode("utf-8")
+        for _, name, data in images:
+            out_dir.write(name, data)
+        return out_dir.write("report.html", page)
+
+
+def _draw(runs: list[Run], panels: list[Panel], title: str) -> list[tuple[str, str, bytes]]:
+    """The overview and one image per panel, drawn in memory: ``(caption, file name, PNG bytes)``."""
+    import matplotlib.pyplot as plt
+
     cmap = plt.get_cmap("tab10")
     colors = [cmap(i % 10) for i in range(len(runs))]
-
-    images: list[tuple[str, Path]] = []
+    images: list[tuple[str, str, bytes]] = []
     cols = 2
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.6 * rows), sharex=True, squeeze=False)
@@ -183,31 +194,29 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
-    overview = out / "overview.png"
-    with atomic_target(overview) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
+    images.append(("Overview", "overview.png", _png(fig)))
     plt.close(fig)
-    images.append(("Overview", overview))
     for panel in panels:
         fig, ax = plt.subplots(figsize=(7, 4))
         plot_panel(ax, panel, runs, colors)
         fig.tight_layout()
-        png = out / f"{panel.name}.png"
-        with atomic_target(png) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
+        caption = f"{panel.title} — {panel.hint}" if panel.hint else panel.title
+        images.append((caption, f"{panel.name}.png", _png(fig)))
         plt.close(fig)
-        images.append((f"{panel.title} — {panel.hint}" if panel.hint else panel.title, png))
+    return images
 
-    page = out / "report.html"
-    write_text(page, _html(title, runs, images))
-    return page
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=100, format="png")
+    return buf.getvalue()
 
 
 def _fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.4g}"
 
 
-def _html(title: str, runs: list[Run], images: list[tuple[str, Path]]) -> str:
+def _html(title: str, runs: list[Run], images: list[tuple[str, str, bytes]]) -> str:
     summary_keys = (
         "mismatch/logp_abs_diff_mean",
         "mismatch/kl_k3",
@@ -231,12 +240,12 @@ def _html(title: str, runs: list[Run], images: list[tuple[str, Path]]) -> str:
             f"<td><code>{html.escape(r.source)}</code></td><td>{len(steps)}</td>{cells}</tr>"
         )
     figures = []
-    for caption, png in images:
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
+    for caption, name, png in images:
+        data = base64.b64encode(png).decode("ascii")
         figures.append(
-            f'<figure id="{html.escape(png.stem)}"><img alt="{html.escape(caption)}" '
+            f'<figure id="{html.escape(Path(name).stem)}"><img alt="{html.escape(caption)}" '
             f'src="data:image/png;base64,{data}"><figcaption>{html.escape(caption)} '
-            f"({html.escape(png.name)})</figcaption></figure>"
+            f"({html.escape(name)})</figcaption></figure>"
         )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

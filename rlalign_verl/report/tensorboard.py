@@ -11,8 +11,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import AlignmentError
+from .output import open_out_dir
 
 LAYOUT_GROUPS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     (
@@ -48,26 +50,58 @@ LAYOUT_GROUPS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] =
 """Category -> charts (title, tags); the grouping docs/dashboards.md explains."""
 
 
+LAYOUT_SUFFIX = ".rlalign-layout"
+"""The suffix of the event file :func:`write_layout` writes (no scalars: not a run's file)."""
+
+
+def is_run_event_file(path: Path) -> bool:
+    """An event file a run wrote: a regular file named ``events.out.tfevents*``, not our layout file."""
+    return (
+        path.name.startswith("events.out.tfevents")
+        and not path.name.endswith(LAYOUT_SUFFIX)
+        and path.is_file()
+    )
+
+
 @dataclass
 class EventScalars:
     """The scalars of one event directory, and what could not be read."""
 
     series: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     truncated: list[str] = field(default_factory=list)
-    """``"<file>: <n> bytes"`` per file whose tail is a partial record."""
+    """``"<file>: <n> bytes"`` per file whose tail is a partial record (or a corrupt one)."""
+    non_numeric: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Tag -> (count, example) of the values logged under a scalar tag that are not one number."""
 
 
 def _records(data: bytes) -> tuple[list[bytes], int]:
-    """The complete records of an event file's bytes, and how many trailing bytes were left (a partial one)."""
+    """The complete records of an event file's bytes, and how many trailing bytes were left (a partial one,
+    or from the first record whose length field fails its checksum: garbage, not a record)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
     out, pos = [], 0
     while pos + 12 <= len(data):
         (length,) = struct.unpack_from("<Q", data, pos)
+        (length_crc,) = struct.unpack_from("<I", data, pos + 8)
         end = pos + 12 + length + 4
-        if end > len(data):
+        if length_crc != masked_crc32c(data[pos : pos + 8]) or end > len(data):
             break
         out.append(data[pos + 12 : pos + 12 + length])
         pos = end
     return out, len(data) - pos
+
+
+def _scalar(value: Any, tensor_util: Any) -> float | str:
+    """The one number of a summary value, or why it is not one (a string, a non-scalar tensor)."""
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    try:
+        array = tensor_util.make_ndarray(value.tensor)
+    except Exception as err:  # noqa: BLE001 - an undecodable tensor is a non-numeric value, said
+        return f"undecodable tensor ({type(err).__name__})"
+    if array.size != 1 or array.dtype.kind not in "biuf":
+        return f"a {array.dtype} tensor of shape {tuple(array.shape)}"
+    return float(array.reshape(()).item())
 
 
 def read_scalars(directory: Path) -> EventScalars:
@@ -80,8 +114,15 @@ def read_scalars(directory: Path) -> EventScalars:
             f"{directory} holds TensorBoard events but the tensorboard package is missing: pip install tensorboard"
         ) from err
     result = EventScalars()
-    for path in sorted(directory.glob("events.out.tfevents*")):
-        records, left = _records(path.read_bytes())
+    for path in sorted(p for p in directory.glob("events.out.tfevents*") if is_run_event_file(p)):
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise AlignmentError(
+                f"event file {path} cannot be read ({err.strerror or type(err).__name__}); "
+                "make it readable or pass another run"
+            ) from None
+        records, left = _records(data)
         if left:
             result.truncated.append(f"{path.name}: {left} bytes")
         for raw in records:
@@ -92,21 +133,27 @@ def read_scalars(directory: Path) -> EventScalars:
                 result.truncated.append(f"{path.name}: a corrupt record")
                 continue
             for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    number = float(value.simple_value)
-                elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
-                    number = float(tensor_util.make_ndarray(value.tensor).item())
-                else:
+                if not value.HasField("simple_value") and not (
+                    value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars"
+                ):
+                    continue
+                number = _scalar(value, tensor_util)
+                if isinstance(number, str):
+                    count, example = result.non_numeric.get(value.tag, (0, f"{number} at step {event.step}"))
+                    result.non_numeric[value.tag] = (count + 1, example)
                     continue
                 result.series.setdefault(value.tag, {}).setdefault(int(event.step), []).append(number)
     return result
 
 
-def write_layout(logdir: str | Path) -> Path:
-    """Write the custom-scalars layout into ``logdir`` (TensorBoard reads it from any event file there)."""
+def layout_event_bytes() -> bytes:
+    """An event file (TFRecord framing) holding the custom-scalars layout of :data:`LAYOUT_GROUPS`."""
+    import io
+    import time
+
     from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, types_pb2
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.summary.writer.record_writer import RecordWriter
 
     categories = []
     for title, charts in LAYOUT_GROUPS:
@@ -127,9 +174,27 @@ def write_layout(logdir: str | Path) -> Path:
             )
         ]
     )
-    directory = Path(logdir)
-    directory.mkdir(parents=True, exist_ok=True)
-    writer = EventFileWriter(str(directory), filename_suffix=".rlalign-layout")
-    writer.add_event(event_pb2.Event(summary=summary))
-    writer.close()
-    return directory
+    buf = io.BytesIO()
+    writer = RecordWriter(buf)
+    now = time.time()
+    writer.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    writer.write(event_pb2.Event(wall_time=now, summary=summary).SerializeToString())
+    return buf.getvalue()
+
+
+def write_layout(logdir: str | Path) -> Path:
+    """Write the custom-scalars layout into ``logdir`` (TensorBoard reads it from any event file there).
+
+    The directory is checked like ``--out`` (no link, a directory, writable) before the file is written;
+    the file is written inside it only, never through a link.
+    """
+    import os
+    import socket
+    import time
+
+    data = layout_event_bytes()
+    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}{LAYOUT_SUFFIX}"
+    with open_out_dir(logdir, flag="--tensorboard-layout") as out_dir:
+        out_dir.check([name])
+        out_dir.write(name, data)
+    return Path(logdir)

@@ -205,7 +205,7 @@ def test_metric_failure_warns_never_raises(plugin_ray, openrlhf_args, rollout, p
     for s in broken:
         s.action_log_probs = torch.zeros(1, 2)  # wrong width
     assert add_step_metrics(broken, openrlhf_args) is None
-    assert any(m.startswith("mismatch metrics skipped (ValueError") for m in plugin_log)
+    assert any(m.startswith("mismatch metrics skipped (MetricsInputError") for m in plugin_log)
 
 
 def test_measure_only_requests_rollout_log_probs(plugin_ray, openrlhf_args):
