@@ -68,6 +68,12 @@ def _out_is_file(tmp, model):
     return ["--out", str(tmp / "f")]
 
 
+def _out_is_link(tmp, model):
+    (tmp / "elsewhere").mkdir()
+    (tmp / "link").symlink_to(tmp / "elsewhere")
+    return ["--out", str(tmp / "link")]
+
+
 def _out_under_file(tmp, model):
     (tmp / "f").write_text("x")
     return ["--out", str(tmp / "f" / "sub")]
@@ -115,6 +121,7 @@ CASES = {
     "temperature negative": (lambda t, m: ["--temperature", "-1"], ["--temperature", ">= 0"]),
     "settings empty": (lambda t, m: ["--settings", ","], ["names no setting", "--settings"]),
     "out is a file": (_out_is_file, ["is a file", "directory"]),
+    "out is a link": (_out_is_link, ["is a symbolic link", "writes nothing through a link"]),
     "out under a file": (_out_under_file, ["under a file", "directory"]),
     "write-rollouts is a dir": (_write_rollouts_dir, ["--write-rollouts", "is a directory", "file path"]),
     "binary dump": (_binary, ["not a text JSONL", "--write-rollouts"]),

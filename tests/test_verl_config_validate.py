@@ -85,6 +85,43 @@ def test_unverified_moe_data_needs_the_opt_in_and_carries_it(tmp_path):
     assert _worker_spec(cfg).experimental.unverified == ("moe",)
 
 
+@pytest.mark.parametrize("profile", ["vllm", "vllm-eager", "sglang"])
+def test_a_cuda_profile_is_refused_for_cpu_workers(qwen2_path, profile):
+    """trainer.device=cpu: the workers run on CPUs, so a CUDA profile is refused at the driver, before Ray starts
+    (it used to pass with a warning and fail in the workers)."""
+    roll = "sglang" if profile == "sglang" else "vllm"
+    cfg = valid_config(qwen2_path, f"alignment.engine={profile}", "trainer.device=cpu",
+                       f"actor_rollout_ref.rollout.name={roll}")  # fmt: skip
+    with pytest.raises(
+        ProfileMismatchError, match=f"profile {profile} mirrors the .* CUDA build .* CPU-only worker"
+    ):
+        validate_config(cfg, on_cuda=False)
+    # auto moves to the CPU build of the same path; an explicit CPU profile passes
+    assert validate_config(valid_config(qwen2_path, "trainer.device=cpu"), on_cuda=True).engine == "vllm-cpu"
+    assert validate_config(
+        valid_config(qwen2_path, "alignment.engine=vllm-cpu", "trainer.device=cpu"), on_cuda=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("null", "actor_rollout_ref.model.path is not set"),
+        ("''", "actor_rollout_ref.model.path is not set"),
+        ("'~/models/deepseek-llm-7b-chat'", "does not exist on the driver (verl's default is a placeholder)"),
+        ("/nonexistent/ckpt", "/nonexistent/ckpt does not exist on the driver"),
+        ("/tmp", "/tmp holds no config.json"),
+    ],
+)
+def test_a_missing_model_path_is_refused_before_ray(qwen2_path, path, words):
+    """An aligned run needs the checkpoint's model type: an unset or absent local model.path stops the driver."""
+    from rlalign_verl.errors import AlignmentError
+
+    with pytest.raises(AlignmentError) as info:
+        validate_config(valid_config(qwen2_path, f"actor_rollout_ref.model.path={path}"), on_cuda=False)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
 def test_a_cpu_profile_is_refused_on_a_gpu_driver(qwen2_path):
     """The placement is known when the driver sees CUDA: the refusal comes before Ray, not in the workers."""
     with pytest.raises(ProfileMismatchError, match="alignment.engine=vllm"):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AlignmentError
-from .output import open_out_dir
+from ..files import open_out_dir
 from .runs import Run
 
 __all__ = ["PANELS", "Panel", "plot_panel", "write_report"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AlignmentError
-from .output import open_out_dir
+from ..files import open_out_dir
 
 LAYOUT_GROUPS: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = (
     (

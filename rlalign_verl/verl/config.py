@@ -54,7 +54,7 @@ def choose_profile(
             f"no engine profile for rollout.name={name!r}; set alignment.engine to one of "
             f"vllm, vllm-eager, vllm-cpu, vllm-cpu-eager, sglang, hf, or turn alignment off with alignment.regions=[]"
         )
-    device = "cuda" if on_cuda else "cpu (no CUDA on the driver)"
+    device = "cuda" if on_cuda else "cpu"
     suffix = "" if on_cuda else "-cpu"
     if enforce_eager:
         return f"vllm{suffix}-eager", f"rollout.name=vllm, rollout.enforce_eager=True, device {device}"
@@ -123,8 +123,19 @@ def model_type_of(config: Any) -> str | None:
         config, "actor_rollout_ref.model.path"
     )
     if not path:
-        return None
+        raise AlignmentError(
+            "actor_rollout_ref.model.path is not set: set it to the checkpoint (folder or hub id) the actor loads"
+        )
     cfg_file = local_config_json(path)
+    text = str(path)
+    if cfg_file is None and text.startswith(("/", "~", "./", "../")):  # a local path, not a hub id
+        where = os.path.expanduser(text)
+        what = "does not exist" if not os.path.exists(where) else "holds no config.json"
+        raise AlignmentError(
+            f"actor_rollout_ref.model.path={text} {what} on the driver (verl's default is a placeholder); set it "
+            "to the checkpoint folder the workers load (a path only the worker nodes see: also set "
+            "actor_rollout_ref.model.hf_config_path to a copy of its config.json the driver can read)"
+        )
     if cfg_file is not None:
         model_type = read_config_json(cfg_file).get("model_type")
         return None if model_type is None else str(model_type)
@@ -212,6 +223,15 @@ def check_metrics_config(config: Any, spec: AlignmentSpec | None) -> None:
 _validated: dict[int, tuple[Any, AlignmentSpec | None]] = {}
 
 
+def _workers_device(config: Any, on_cuda: bool) -> str | None:
+    """``cpu`` for CPU workers (trainer.device=cpu or the CPU adaptations), ``cuda`` on a GPU driver, else unknown."""
+    from .engine_facts import workers_device
+
+    if workers_device(config) == "cpu":
+        return "cpu"
+    return "cuda" if on_cuda else None
+
+
 def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpec | None:
     """Check the alignment request against the rest of the verl config; raise one line naming the fix.
 
@@ -230,14 +250,16 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         on_cuda = cuda_available()
     reason = ""
     if spec.regions:
-        spec, reason = resolve_spec(config, spec, on_cuda=on_cuda)
+        device = _workers_device(config, on_cuda)
+        spec, reason = resolve_spec(config, spec, on_cuda=on_cuda and device != "cpu")
         _check_verl_run(config)
         liger_key = "actor_rollout_ref.model.use_liger"
         spec.validate(
             model_type=model_type_of(config),
             rollout=spec.rollout,
-            # a driver with a GPU runs a GPU cluster: an explicit CPU profile is refused here, not in the workers
-            device="cuda" if on_cuda else None,
+            # where the workers run, when the config or the driver says so: a profile built for the other device
+            # is refused here, not after Ray starts (a CPU driver of a GPU cluster leaves it open)
+            device=device,
             liger=option_bool(select(config, liger_key), name=liger_key, default=False),
             expert_parallel=select(config, EP_KEY, 1),
             tensor_parallel=select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1),
