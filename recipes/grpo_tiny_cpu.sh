@@ -12,7 +12,8 @@
 # prompt), RESPONSE_LEN (24), LR (1e-6), OUT (runs/grpo_tiny_cpu), LOGGERS (console,file), PYTHON (.venv/bin/python
 # if present), DRY_RUN=print (print the command of the ALIGN arm) or DRY_RUN=1 (its composed config).
 # Extra arguments are passed to verl as Hydra overrides. Each arm writes verl's file-logger JSONL to
-# $OUT/<arm>.jsonl (TensorBoard events to $OUT/tensorboard/<arm> with LOGGERS=console,file,tensorboard) and its
+# $OUT/<arm>.jsonl (TensorBoard events to $OUT/tensorboard/<arm> with LOGGERS=console,file,tensorboard; a wandb run
+# under ${WANDB_DIR:-$OUT}/wandb/ with wandb, WANDB_MODE=offline for no account) and its
 # log to $OUT/<arm>.log; the report goes to $OUT/report/ (PNG + HTML).
 set -euo pipefail
 
@@ -43,6 +44,10 @@ for logger in "${logger_list[@]}"; do
 done
 mkdir -p "${OUT}"
 OUT=$(cd "${OUT}" && pwd)
+if [[ ",${LOGGERS}," == *",wandb,"* ]]; then
+    # wandb writes its run under $WANDB_DIR/wandb/ (the trainer's cwd otherwise: a Ray worker's dir in a cluster)
+    export WANDB_DIR=${WANDB_DIR:-${OUT}}
+fi
 
 # the CPU adaptations of rlalign_verl.verl.cpu, in every verl process (loaded by the verl.plugins entry point)
 export RLALIGN_VERL_CPU=1
@@ -72,7 +77,7 @@ run_arm() {
     if [[ ",${LOGGERS}," == *",tensorboard,"* ]]; then
         env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=${OUT}/tensorboard/${arm}")
     fi
-    for name in VERL_USE_EXTERNAL_MODULES PYTHONPATH; do  # reach the workers of a cluster too
+    for name in VERL_USE_EXTERNAL_MODULES PYTHONPATH WANDB_MODE WANDB_DIR; do  # reach the workers of a cluster too
         if [[ -n "${!name:-}" ]]; then env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.${name}=${!name}"); fi
     done
     local -a ray_resources=()

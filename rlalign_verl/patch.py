@@ -35,6 +35,7 @@ from .profiles import DEFAULT_PROFILE, EngineProfile
 from .regions.lm_head import head_forward
 from .regions.residual_stream import Carry, carry_for
 from .spec import AlignmentSpec
+from .spec_checks import validate_request
 
 logger = logging.getLogger("rlalign_verl")
 
@@ -175,7 +176,7 @@ def _install_class_hooks(spec: AlignmentSpec, profile: EngineProfile) -> None:
 
         def init(self, *args, _orig=original_init, **kwargs):
             _orig(self, *args, **kwargs)
-            spec.validate(model_type=_model_type(self), model_config=self.config)
+            validate_request(spec, model_type=_model_type(self), model_config=self.config)
             _patch_instance(self, spec, profile)
             _patched_models.add(self)
 
@@ -249,7 +250,7 @@ def apply_alignment(
     check_model_arg(model)
     request = _spec_of(spec, dict(kwargs))
     if model is None:
-        profile = request.validate(class_form=True)
+        profile = validate_request(request, class_form=True)
         if profile is None:
             _remove_class_hooks()
         else:
@@ -264,7 +265,8 @@ def apply_alignment(
     device = (
         worker_device_type(model) if auto or request.engine_auto else None
     )  # auto follows the model's device
-    profile = request.validate(
+    profile = validate_request(
+        request,
         model_type=model_type,
         model_config=model.config,
         param_dtype=_param_dtype(model),

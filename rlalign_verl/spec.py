@@ -2,7 +2,7 @@
 
 Every surface builds it with :meth:`AlignmentSpec.parse` (verl's Hydra ``alignment`` node, OpenRLHF's
 ``--alignment.*`` flags, ``apply_alignment``'s keywords, diagnose's settings) and every check runs in
-:meth:`AlignmentSpec.validate` (:mod:`rlalign_verl.spec_checks`). The value travels to the workers once, as
+:func:`rlalign_verl.spec_checks.validate_request` (which imports this module, never the other way round). The value travels to the workers once, as
 JSON (:meth:`to_json` / :meth:`from_json`): one ``model.override_config`` key in verl, one env var in OpenRLHF.
 
 What a user sets::
@@ -27,8 +27,7 @@ from typing import Any
 
 from .errors import ConfigFormatError
 from .options import key_name, parse_bool
-from .regions import normalize_regions
-from .spec_values import bad_value, choice, integer, names
+from .spec_values import bad_value, choice, integer, names, normalize_regions
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 HEAD_DTYPES: dict[str, str] = {"float32": "float32", "fp32": "float32", "model": "model", "bfloat16": "model",
@@ -114,7 +113,8 @@ MOVED = {k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS}
 
 @dataclass(frozen=True)
 class AlignmentSpec:
-    """One alignment request (frozen). Build it with :meth:`parse`; check it with :meth:`validate`."""
+    """One alignment request (frozen). Build it with :meth:`parse`; check it with
+    :func:`rlalign_verl.spec_checks.validate_request`."""
 
     regions: tuple[str, ...] = ()
     engine: Any = "auto"
@@ -203,17 +203,6 @@ class AlignmentSpec:
         if isinstance(self.engine, str) and self.engine == "auto":
             raise ConfigFormatError("alignment.engine=auto is not resolved yet; the driver resolves it")
         return get_profile(self.engine)
-
-    def validate(self, **context: Any):
-        """Run every check of this request against what is known (see :func:`.spec_checks.validate`).
-
-        Returns the :class:`~rlalign_verl.profiles.EngineProfile` to align to. Keywords: ``model_type``,
-        ``model_config``, ``device``, ``rollout``, ``liger``, ``expert_parallel``, ``param_dtype``,
-        ``class_form`` (all optional: what the caller knows).
-        """
-        from .spec_checks import validate
-
-        return validate(self, **context)
 
     def describe(self) -> str:
         """One line: what is aligned, to which profile, and the non-default switches."""

@@ -1,6 +1,6 @@
-"""Every check of an alignment request, in one place: :func:`validate` (``AlignmentSpec.validate``).
+"""Every check of an alignment request, in one place: :func:`validate_request`.
 
-Surfaces call ``spec.validate(...)`` with what they know at that point — a driver before Ray starts knows the
+Surfaces call ``validate_request(spec, ...)`` with what they know at that point — a driver before Ray starts knows the
 rollout and the checkpoint's ``model_type``; a worker also knows the device and the built model — and each
 check runs once the facts it needs are given. Each failure is one line naming the fix
 (:class:`~rlalign_verl.errors.AlignmentError` subclasses). Torch is imported only for the host checks.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .compat import check_transformers
 from .errors import (
@@ -23,9 +23,7 @@ from .errors import (
 from .options import key_name, key_setting
 from .placement import ROLLOUT_ENGINES, check_rollout
 from .profiles import PROFILES, EngineProfile, get_profile
-
-if TYPE_CHECKING:  # annotations only: spec.py calls validate() here
-    from .spec import AlignmentSpec
+from .spec import AlignmentSpec
 
 DENSE_ONLY = "compiled_norm"
 OPT_IN_HINT = (
@@ -63,7 +61,7 @@ _ROUTER_ATTRS = {
 }
 
 
-def validate(
+def validate_request(
     spec: AlignmentSpec,
     *,
     model_type: str | None = None,

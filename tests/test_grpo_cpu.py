@@ -7,7 +7,8 @@ in-run verification and ``mismatch/*`` metrics (n=2 samples per prompt).
 - **cluster** (:mod:`ray_cluster`): ``recipes/local_ray_cluster.sh start`` (head + a worker node holding the
   one GPU slot, loopback only), then ``recipes/submit_ray_job.sh recipes/grpo_tiny_cpu.sh`` through the Ray
   Jobs API with the runtime env that ships the checkout and pip-installs the plugin; all regions, 3 steps of
-  8 prompts (16 sequences: the verify sample), verification at steps 1 and 3 with the ladder, TensorBoard + JSONL;
+  8 prompts (16 sequences: the verify sample), verification at steps 1 and 3 with the ladder, TensorBoard + JSONL
+  + wandb (offline; read back from its run files);
   the rollouts are multi-turn (verl's ``tool_agent`` with a ``lookup`` tool: two assistant rounds around a tool
   turn, 48-token responses; ``tests/support/tiny_tool_agent.py``); then a job that fails in the cluster.
   The cluster is stopped afterwards even on failure, and the stop is checked (no processes, no ports).
@@ -56,13 +57,14 @@ def cluster(tmp_path_factory) -> ClusterRun:
     home = tmp_path_factory.mktemp("fresh_home")
     # two assistant rounds around a tool call, by verl's own tool agent
     agent_knobs, agent_overrides = tool_agent()
-    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard", BATCH="8",
-                 HOME=str(home), **agent_knobs)  # fmt: skip
+    # wandb offline: no network, no account; its run files under out/wandb/ (read back by tests/support/wandb_offline.py)
+    knobs = dict(ALIGN="all", STEPS=str(STEPS), OUT=str(out), LOGGERS="console,file,tensorboard,wandb", BATCH="8",
+                 HOME=str(home), WANDB_MODE="offline", WANDB_DIR=str(out), **agent_knobs)  # fmt: skip
     overrides = ["alignment.verify.every=2", "alignment.verify.ladder=true", *agent_overrides]
     with LocalCluster(ROOT, recipe_env(HOME=str(home))) as local:
         run = local.submit("recipes/grpo_tiny_cpu.sh", overrides, recipe_env(**knobs), out)
         # a job that fails inside the cluster (a bad region name, refused by the job's driver)
-        bad = dict(knobs, OUT=str(out / "bad"))
+        bad = dict(knobs, OUT=str(out / "bad"), WANDB_DIR=str(out / "bad"))
         run.failed = local.submit(
             "recipes/grpo_tiny_cpu.sh", ["alignment.regions=[ropee]"], recipe_env(**bad), out / "bad"
         ).job
@@ -138,6 +140,26 @@ def test_tensorboard_has_every_mismatch_scalar_at_every_step(cluster):
         assert [e.step for e in scalars] == list(VERIFY_STEPS), key
         for e in scalars:  # the same numbers in both backends (TensorBoard stores float32)
             assert e.value == pytest.approx(jsonl[e.step][key], rel=1e-6, abs=1e-12), key
+
+
+def test_wandb_offline_run_has_every_mismatch_key_at_every_step(cluster):
+    """verl's wandb logger (offline) holds every ``mismatch/*`` number the file logger has, at the same step."""
+    from wandb_offline import history, offline_runs
+
+    runs = offline_runs(cluster.out)
+    assert len(runs) == 1, runs  # the one job that trained (the failing job stops before its trainer starts)
+    in_wandb = history(runs[0])
+    jsonl = {r["step"]: r["data"] for r in rows(cluster.out / "all.jsonl")}
+    assert sorted(in_wandb) == sorted(jsonl) == list(range(1, STEPS + 1))
+    for step, data in jsonl.items():
+        ours = {k: v for k, v in data.items() if k.startswith("mismatch/")}
+        # every family: the per-step metrics, verification (steps 1 and 3, its ladder at 1) and the doctor
+        assert MISMATCH_KEYS <= set(ours) and any(k.startswith("mismatch/doctor/") for k in ours), step
+        assert (VERIFY_KEYS <= set(ours)) == (step in VERIFY_STEPS), step
+        logged = in_wandb[step]
+        assert set(ours) <= set(logged), (step, sorted(set(ours) - set(logged)))
+        for key, value in ours.items():  # both store JSON numbers from the same Python floats
+            assert logged[key] == pytest.approx(value, rel=1e-12, abs=0.0, nan_ok=True), (step, key)
 
 
 def test_the_report_of_the_run_renders_in_chromium(cluster):

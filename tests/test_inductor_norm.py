@@ -19,6 +19,7 @@ from rlalign_verl.regions import rmsnorm
 from rlalign_verl.regions.compiled import inductor_available
 from rlalign_verl.regions.inductor_norm import inductor_norms, stores_sum
 from rlalign_verl.spec import AlignmentSpec
+from rlalign_verl.spec_checks import validate_request
 
 BF = torch.bfloat16
 EPS = 1e-6
@@ -184,7 +185,9 @@ def test_plain_norm_backward_close_to_the_eager_region(keep_fp32: bool) -> None:
 
 def test_errors_are_one_line() -> None:
     def validate(engine: str, regions: str, on: bool, model_type: str | None = None) -> None:
-        AlignmentSpec.parse(regions=regions, engine=engine, compiled_norm=on).validate(model_type=model_type)
+        validate_request(
+            AlignmentSpec.parse(regions=regions, engine=engine, compiled_norm=on), model_type=model_type
+        )
 
     with pytest.raises(AlignmentError, match="turn it off") as e:
         validate("vllm-cpu-eager", "rmsnorm", True)
@@ -201,10 +204,10 @@ def test_errors_are_one_line() -> None:
 def test_compiled_norm_per_model_type(model_type: str, refused: bool) -> None:
     """MoE families are refused (stored-sum positions verified on dense models only); off checks nothing."""
     spec = AlignmentSpec.parse(regions="rope,rmsnorm", engine="vllm-cpu", compiled_norm=True)
-    AlignmentSpec.parse(regions="rope,rmsnorm", engine="vllm-cpu").validate(model_type=model_type)
+    validate_request(AlignmentSpec.parse(regions="rope,rmsnorm", engine="vllm-cpu"), model_type=model_type)
     if not refused:
-        spec.validate(model_type=model_type)
+        validate_request(spec, model_type=model_type)
         return
     with pytest.raises(AlignmentError, match="dense models only") as e:
-        spec.validate(model_type=model_type)
+        validate_request(spec, model_type=model_type)
     assert "\n" not in str(e.value) and "qwen2, " in str(e.value)

@@ -24,6 +24,7 @@ from rlalign_verl.errors import (
 )
 from rlalign_verl.openrlhf.settings import Settings, parse_launcher_args
 from rlalign_verl.spec import AlignmentSpec, DoctorSpec, Experimental, VerifySpec
+from rlalign_verl.spec_checks import validate_request
 
 
 def _hydra(node: dict) -> AlignmentSpec:
@@ -216,12 +217,12 @@ def test_no_env_var_overrides_what_the_request_says(monkeypatch: pytest.MonkeyPa
     # ... and a retired variable left set is refused before anything is patched, naming the setting that replaced it
     for name, fix in (("RLALIGN_TRITON", "kernels=triton"), ("RLALIGN_UNVERIFIED", "unverified=[moe]")):
         with pytest.raises(ConfigFormatError) as info:
-            spec.validate()
+            validate_request(spec)
         assert one_line(info.value).count(name) == 1 and f"alignment.experimental.{fix}" in one_line(
             info.value
         )
         monkeypatch.delenv(name)
-    assert spec.validate() is not None
+    assert validate_request(spec) is not None
 
 
 def test_diagnose_settings_parse_through_the_spec() -> None:
@@ -330,18 +331,18 @@ VALIDATE = {
 def test_validate_refuses_in_one_line(case: str) -> None:
     node, context, fragment = VALIDATE[case]
     with pytest.raises(AlignmentError) as info:
-        AlignmentSpec.parse(node).validate(**context)
+        validate_request(AlignmentSpec.parse(node), **context)
     text = one_line(info.value)
     assert fragment in text and "\n" not in text
 
 
 def test_validate_moves_an_auto_profile_to_the_device() -> None:
     auto = AlignmentSpec.parse({"regions": "rope", "engine": "vllm", "engine_auto": True})
-    assert auto.validate(device="cpu").name == "vllm-cpu"
-    assert AlignmentSpec(regions=("rope",)).validate(device="cuda").name == "vllm"
+    assert validate_request(auto, device="cpu").name == "vllm-cpu"
+    assert validate_request(AlignmentSpec(regions=("rope",)), device="cuda").name == "vllm"
     with pytest.raises(ProfileMismatchError):
-        AlignmentSpec.parse({"regions": "rope", "engine": "vllm"}).validate(device="cpu")
-    assert AlignmentSpec().validate() is None  # alignment off: nothing to check
+        validate_request(AlignmentSpec.parse({"regions": "rope", "engine": "vllm"}), device="cpu")
+    assert validate_request(AlignmentSpec()) is None  # alignment off: nothing to check
 
 
 @pytest.mark.parametrize(
@@ -360,4 +361,7 @@ def test_a_flag_and_its_sub_flags_conflict_in_either_order(argv: list[str]) -> N
 def test_a_non_silu_mlp_is_fine_when_its_regions_are_off() -> None:
     """Only the regions that compute silu (swiglu, moe) care about the activation."""
     spec = AlignmentSpec.parse({"regions": ["rope", "rmsnorm"], "engine": "vllm"})
-    assert spec.validate(model_type="qwen2", model_config=SimpleNamespace(hidden_act="gelu")).name == "vllm"
+    assert (
+        validate_request(spec, model_type="qwen2", model_config=SimpleNamespace(hidden_act="gelu")).name
+        == "vllm"
+    )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..regions import OPT_IN_REGIONS, REGIONS
+from ..spec_checks import validate_request
 from .stats import N_BOOT, prompt_groups
 
 
@@ -61,7 +62,7 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) ->
         if profile.engine == "hf":
             return "the hf profile keeps HF's own attention: nothing to align"
         try:
-            AlignmentSpec.parse(regions="attention", engine=profile.name).validate()
+            validate_request(AlignmentSpec.parse(regions="attention", engine=profile.name))
         except AlignmentError as e:
             return str(e)
     if rung.needs == "fp32-head" and head_dtype != "float32":
@@ -83,7 +84,9 @@ def _moe_engine_op_reason(profile: Any, moe: bool) -> str | None:
     if not moe:
         return "dense model: no routed experts"
     try:
-        AlignmentSpec.parse(regions="swiglu,moe", engine=profile.name, moe_variant="engine-op").validate()
+        validate_request(
+            AlignmentSpec.parse(regions="swiglu,moe", engine=profile.name, moe_variant="engine-op")
+        )
     except AlignmentError as e:
         return str(e)
     ok, why = engine_op_available()
@@ -264,4 +267,4 @@ def check_settings(settings: list, profile: Any) -> None:
     from ..spec import AlignmentSpec
 
     for _, regions in settings:
-        AlignmentSpec.parse(regions=regions, engine=profile.name).validate()
+        validate_request(AlignmentSpec.parse(regions=regions, engine=profile.name))

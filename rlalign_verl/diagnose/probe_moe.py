@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..spec_checks import validate_request
 from .bits import compare
 
 VARIANT_SUFFIX = "moe_variant=engine-op"
@@ -97,7 +98,7 @@ def _engine_op_rows(block: Any, x: torch.Tensor, eng: dict[str, torch.Tensor], r
     out = {}
     for name, prof in PROFILES.items():
         try:
-            AlignmentSpec.parse(regions="swiglu,moe", engine=name, moe_variant="engine-op").validate()
+            validate_request(AlignmentSpec.parse(regions="swiglu,moe", engine=name, moe_variant="engine-op"))
         except AlignmentError:
             continue
         weights = eng["w"].to(x.dtype) if prof.moe.weights_dtype == "bf16" else eng["w"]

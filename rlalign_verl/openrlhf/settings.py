@@ -38,6 +38,7 @@ from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from ..options import parse_bool
 from ..profiles import get_profile
 from ..spec import AlignmentSpec
+from ..spec_checks import validate_request
 from .flags import check_spellings, spellings
 from .moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
 
@@ -288,7 +289,8 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     spec = spec.replace(engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT)
     check_lm_head(spec.regions)
-    spec.validate(
+    validate_request(
+        spec,
         model_type=local_model_type(rest),
         rollout=ROLLOUT,
         liger=switch_on(rest, LIGER_FLAGS),

@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import LigerConflictError
+from ..spec_checks import validate_request
 from ..verl.import_hooks import when_imported
 from ..wrap_once import wrap_once
 from .log import logger, warn_once
@@ -120,7 +121,7 @@ def placed_profile(settings: Settings, device_type: str) -> str:
     ``--alignment.engine auto`` moves the driver's choice to this device's build; an explicit profile for
     another device, or ``hf`` (OpenRLHF always samples with vLLM), is an error.
     """
-    profile = settings.spec.validate(device=device_type, rollout=ROLLOUT, spelling="flag")
+    profile = validate_request(settings.spec, device=device_type, rollout=ROLLOUT, spelling="flag")
     name = settings.profile if profile is None else profile.name
     if name != settings.profile:
         logger.info(

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import AlignmentError, ProfileMismatchError
 from ..options import option_bool
 from ..spec import AlignmentSpec
+from ..spec_checks import validate_request
 from .cfg import select
 from .checks import check_alignment_node, local_config_json, read_config_json
 from .compilation import REGION_OPS, compile_disabled, custom_ops_of, kernels_on
@@ -254,7 +255,8 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         spec, reason = resolve_spec(config, spec, on_cuda=on_cuda and device != "cpu")
         _check_verl_run(config)
         liger_key = "actor_rollout_ref.model.use_liger"
-        spec.validate(
+        validate_request(
+            spec,
             model_type=model_type_of(config),
             rollout=spec.rollout,
             # where the workers run, when the config or the driver says so: a profile built for the other device

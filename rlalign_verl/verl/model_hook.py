@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import AlignmentError
 from ..spec import AlignmentSpec
+from ..spec_checks import validate_request
 from ..wrap_once import wrap_once
 from .log import logger
 from .wire import OLD_KEYS, SPEC_KEY
@@ -71,7 +72,7 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
         from ..patch import apply_alignment, get_alignment
         from ..placement import worker_device_type
 
-        profile = spec.validate(device=worker_device_type(module), rollout=spec.rollout)
+        profile = validate_request(spec, device=worker_device_type(module), rollout=spec.rollout)
         if profile.name != spec.engine:
             logger.info(
                 "alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device",
