@@ -69,6 +69,14 @@ regions_of() {
     esac
 }
 
+# inside a Ray job (recipes/submit_ray_job.sh): is env var $1 in the job's runtime env, which every actor gets?
+in_job_env() {
+    [[ -n "${RAY_JOB_CONFIG_JSON_ENV_VAR:-}" ]] || return 1
+    "${PYTHON}" -c 'import json, os, sys
+env = (json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"]).get("runtime_env") or {}).get("env_vars") or {}
+sys.exit(0 if sys.argv[1] in env else 1)' "$1"
+}
+
 run_arm() {
     local arm=$1
     shift
@@ -78,7 +86,10 @@ run_arm() {
         env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.TENSORBOARD_DIR=${OUT}/tensorboard/${arm}")
     fi
     for name in VERL_USE_EXTERNAL_MODULES PYTHONPATH WANDB_MODE WANDB_DIR; do  # reach the workers of a cluster too
-        if [[ -n "${!name:-}" ]]; then env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.${name}=${!name}"); fi
+        # unless the Ray job's runtime env has it already (submit_ray_job.sh): Ray refuses the same key twice
+        if [[ -n "${!name:-}" ]] && ! in_job_env "${name}"; then
+            env_vars+=("++ray_kwargs.ray_init.runtime_env.env_vars.${name}=${!name}")
+        fi
     done
     local -a ray_resources=()
     if [[ -z "${RAY_ADDRESS:-}" ]]; then

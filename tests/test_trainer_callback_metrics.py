@@ -87,6 +87,26 @@ def test_step_metrics_options_from_config(base_config):
     )
 
 
+def test_the_request_is_read_once_per_run_not_every_step(base_config, monkeypatch):
+    """Validated once: the driver's resolved spec is parsed on the first step and reused at every later one."""
+    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.verl.config import write_worker_spec
+
+    data = step_tensors(7)
+    data["old_log_probs"] = train_log_probs(data["rollout_log_probs"], 7)
+    batch = DataProto.from_dict(data)
+    config = verl_config("alignment.regions=[rope]")
+    write_worker_spec(config, AlignmentSpec.parse(regions=["rope"], engine="vllm"))
+    parsed = []
+    real = AlignmentSpec.from_json.__func__
+    monkeypatch.setattr(
+        AlignmentSpec, "from_json", classmethod(lambda cls, raw: parsed.append(1) or real(cls, raw))
+    )
+    for _ in range(3):
+        assert tc.step_mismatch_metrics(batch, config)["mismatch/num_tokens"] > 0
+    assert len(parsed) == 1 and tc.run_spec(config).regions == ("rope",)
+
+
 def test_metric_names_aggregate_correctly_in_v1_metrics_aggregator():
     """v1 merges per-mini-batch metrics by keyword in the name (max/min/sum/mean): ours must fit."""
     from verl.trainer.ppo.v1.utils import MetricsAggregator

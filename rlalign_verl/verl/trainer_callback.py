@@ -79,15 +79,27 @@ def _cfg_get(node: Any, path: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+_run_specs: dict[int, tuple[Any, AlignmentSpec | None]] = {}
+"""``id(config)`` -> (config, its spec): the request is read once per run config, not at every step."""
+
+
 def run_spec(config: Any) -> AlignmentSpec | None:
     """The run's alignment request: the resolved spec the driver wrote, else the ``alignment`` node parsed;
-    ``None`` for a plain verl run (no ``alignment`` group)."""
-    if _cfg_get(config, "alignment") is None:
-        return None
-    raw = _cfg_get(config, f"{OVERRIDE_PATH}.{SPEC_KEY}")
-    if raw is not None:
-        return AlignmentSpec.from_json(raw if isinstance(raw, str) else _plain(raw))
-    return AlignmentSpec.parse(_cfg_get(config, "alignment"), spelling="hydra")
+    ``None`` for a plain verl run (no ``alignment`` group). Read once per config object (every step asks)."""
+    hit = _run_specs.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    spec = None
+    if _cfg_get(config, "alignment") is not None:
+        raw = _cfg_get(config, f"{OVERRIDE_PATH}.{SPEC_KEY}")
+        if raw is not None:
+            spec = AlignmentSpec.from_json(raw if isinstance(raw, str) else _plain(raw))
+        else:
+            spec = AlignmentSpec.parse(_cfg_get(config, "alignment"), spelling="hydra")
+    if len(_run_specs) > 64:  # tests build many configs; a run has one
+        _run_specs.clear()
+    _run_specs[id(config)] = (config, spec)
+    return spec
 
 
 def _plain(node: Any) -> Any:
