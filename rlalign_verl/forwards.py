@@ -77,6 +77,7 @@ class AlignmentState:
         extra += " compiled_norm" if self.compiled_norm else ""
         extra += f" unverified={','.join(self.unverified)}" if self.unverified else ""
         extra += f" moe_variant={self.moe_variant}" if self.moe_variant != "emulate" else ""
+        extra += f" rollout_tp={self.spec.rollout_tp}" if "tp" in self.regions else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere
@@ -128,7 +129,7 @@ def norm_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     if st.compiled_norm:
         from .regions.inductor_norm import inductor_norms
 
-        return inductor_norms(st.profile)
+        return inductor_norms(st.profile, st.spec.rollout_tp)
 
     def add_norm(*args, index: int | None = None, **kwargs):
         return add_rms_norm(*args, **kwargs)
@@ -346,13 +347,15 @@ def base_model_forward(st: AlignmentState) -> Callable:
     return forward
 
 
-def final_norm_forward(st: AlignmentState) -> Callable:
+def final_norm_forward(st: AlignmentState, index: int | None = None) -> Callable:
+    """The final norm; ``index``: its position along the residual stream (2 x layers), which picks the engine's
+    kernel shape for the compiled norms."""
     _, add_norm = norm_fns(st)
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         box = self.__dict__.get(CARRY_ATTR)
         h = join(hidden_states, box.take_last() if box is not None else None)
-        y, _ = add_norm(  # the final norm's position (2 x layers) is even: never one that stores the sum
+        y, _ = add_norm(  # at TP=1 the final norm's even position never stores the sum; at TP>1 it can
             h,
             None,
             self.weight,
@@ -360,6 +363,7 @@ def final_norm_forward(st: AlignmentState) -> Callable:
             st.norm,
             round_residual=True,
             out_dtype=hidden_states.dtype,
+            index=index,
         )
         return y
 

@@ -34,6 +34,7 @@ from .placement import worker_device_type
 from .profiles import DEFAULT_PROFILE, EngineProfile
 from .regions.lm_head import head_forward
 from .regions.residual_stream import Carry, carry_for
+from .regions.tp import row_parallel_forward
 from .spec import AlignmentSpec
 from .spec_checks import validate_request
 
@@ -134,8 +135,14 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
             # unaligned layers get a pass-through: eager under torch.compile like the aligned ones
             bind(m, *((layer_forward, st) if "rmsnorm" in regions else (passthrough_forward,)))
     bind_moe(model, family, st)
+    if "tp" in regions and spec.rollout_tp > 1:  # at TP=1 the engine's projections are the trainer's
+        split = [(family.cls(field), attr) for field, attr in family.row_parallel]
+        for m in model.modules():
+            for cls, attr in split:
+                if isinstance(m, cls):
+                    bind(getattr(m, attr), row_parallel_forward, spec.rollout_tp, profile.tp)
     if "rmsnorm" in regions:
-        bind(base.norm, final_norm_forward, st)
+        bind(base.norm, final_norm_forward, st, 2 * len(base.layers))
     if "rmsnorm" in regions and carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a carry
         bind(base, base_model_forward, st)
     else:  # eager under torch.compile like the aligned modules

@@ -106,7 +106,7 @@ _EXPERIMENTAL_KEYS = tuple(f.name for f in fields(Experimental))
 _DOCTOR_KEYS = tuple(f.name for f in fields(DoctorSpec))
 TOP_KEYS = ("regions", "engine", "metrics", "verify", "doctor", "experimental")
 """Keys a user writes at the top of the ``alignment`` group (the driver adds :data:`RESOLVED_KEYS`)."""
-RESOLVED_KEYS = ("engine_auto", "rollout")
+RESOLVED_KEYS = ("engine_auto", "rollout", "rollout_tp")
 MOVED = {k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS}
 """Old top-level spellings -> their key now (a one-line error names it; nothing is silently ignored)."""
 
@@ -128,6 +128,10 @@ class AlignmentSpec:
     """Set by the driver that resolved ``engine=auto``: a worker may move the profile to its device's build."""
     rollout: str = ""
     """Set by the driver: the run's rollout engine (``vllm``, ``sglang``; empty: unknown)."""
+    rollout_tp: int = 1
+    """The rollout's tensor-parallel size, a fact of the rollout like compiled/eager: set by the driver (verl's
+    ``actor_rollout_ref.rollout.tensor_model_parallel_size``, OpenRLHF's ``--vllm_tensor_parallel_size``), the
+    Python keyword ``rollout_tp=``, or a dump header's ``tensor_parallel_size``. The ``tp`` region mirrors it."""
 
     # --- building ------------------------------------------------------------------------------
 
@@ -216,7 +220,8 @@ class AlignmentSpec:
         extra += [f"unverified={','.join(exp.unverified)}"] if exp.unverified else []
         tail = f" experimental: {' '.join(extra)}" if extra else ""
         engine = self.engine if isinstance(self.engine, str) else self.engine.name
-        return f"regions={','.join(self.regions) or 'none'} profile={engine}{tail}"
+        tp = f" rollout_tp={self.rollout_tp}" if self.rollout_tp > 1 else ""
+        return f"regions={','.join(self.regions) or 'none'} profile={engine}{tp}{tail}"
 
 
 # --- parsing helpers -----------------------------------------------------------------------------
@@ -248,6 +253,7 @@ _KEYWORDS = {
     "metrics": "metrics",
     "verify": "verify",
     "doctor": "doctor",
+    "rollout_tp": "rollout_tp",
     **{k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS},
 }
 """``apply_alignment`` keyword -> spec key (the Python convenience form)."""
@@ -411,6 +417,8 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
             "rollout", rollout, "the driver writes the rollout engine's name (vllm, sglang)", spelling
         )
     rollout = rollout.strip().lower()
+    rollout_tp = data.get("rollout_tp")
+    rollout_tp = 1 if rollout_tp is None else integer(rollout_tp, "rollout_tp", spelling, 1)
     engine_auto = data.get("engine_auto")
     engine_auto = False if engine_auto is None else parse_bool(engine_auto, name="engine_auto")
     return AlignmentSpec(
@@ -424,4 +432,5 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         experimental=experimental,
         engine_auto=engine_auto and not (isinstance(engine, str) and engine == "auto"),
         rollout=rollout,
+        rollout_tp=rollout_tp,
     )

@@ -70,7 +70,6 @@ def validate_request(
     rollout: str | None = None,
     liger: bool = False,
     expert_parallel: Any = None,
-    tensor_parallel: Any = None,
     param_dtype: Any = None,
     class_form: bool = False,
     spelling: str = "hydra",
@@ -80,7 +79,7 @@ def validate_request(
     ``device``: where the model runs (``cpu``/``cuda``): an ``auto`` profile moves to that device's build, an
     explicit one for another device is refused. ``rollout``: the rollout engine's name. ``liger``: the model is
     built with Liger kernels. ``expert_parallel``: the rollout's expert-parallel size (or the flag that sets it);
-    ``tensor_parallel``: the rollout's tensor-parallel size (MoE combine). ``param_dtype``: the
+    the rollout's tensor-parallel size is the request's own ``rollout_tp``. ``param_dtype``: the
     model's parameter dtype. ``class_form``: ``apply_alignment(model=None)``.
     """
     if not spec.regions:
@@ -107,6 +106,8 @@ def validate_request(
         check_compiled_norm(profile, regions, spelling)
     if exp.moe_variant == "engine-op":
         check_moe_variant(profile, regions, spelling)
+    if "tp" in regions:
+        check_tp(profile, spec.rollout_tp)
     if class_form and "lm_head" in regions:
         raise AlignmentError(
             "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
@@ -114,7 +115,7 @@ def validate_request(
     if param_dtype is not None:
         check_param_dtype(param_dtype)
     if model_type is not None:
-        check_model(spec, profile, model_type, model_config, expert_parallel, tensor_parallel)
+        check_model(spec, profile, model_type, model_config, expert_parallel)
     return profile
 
 
@@ -254,7 +255,6 @@ def check_model(
     model_type: str,
     config: Any = None,
     expert_parallel: Any = None,
-    tensor_parallel: Any = None,
 ) -> None:
     """Checks that need the architecture (and, where given, its config)."""
     from .families import FAMILIES, get_family
@@ -269,6 +269,8 @@ def check_model(
             f"{','.join(mlp_regions)} from the regions"
         )
     moe = family.experts is not None
+    if "tp" in regions and spec.rollout_tp > 1:
+        check_tp_model(model_type, config, spec.rollout_tp, moe)
     if spec.experimental.compiled_norm and moe:
         dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
         raise AlignmentError(
@@ -290,9 +292,9 @@ def check_model(
             f"expert parallel ({expert_parallel}) on {model_type}: expert parallel sums the ranks' expert outputs in "
             f"bf16, which the {'/'.join(aligned)} region cannot mirror ({SUPPORTED_SPLIT}); turn expert parallel off"
         )
-    if tensor_parallel not in (None, 1, "1") and "moe" in regions:
+    if spec.rollout_tp > 1 and "moe" in regions:
         raise AlignmentError(
-            f"rollout tensor parallel {tensor_parallel} on {model_type}: the engine splits each expert over the ranks and "
+            f"rollout tensor parallel {spec.rollout_tp} on {model_type}: the engine splits each expert over the ranks and "
             f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
             f"({SUPPORTED_SPLIT}); use tensor parallel 1 or drop moe from the regions"
         )
@@ -303,6 +305,39 @@ def check_model(
             raise UnsupportedModelError(
                 f"{model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k routing only (no "
                 "grouped top-k, sigmoid scoring or routed scaling); turn alignment off for this model"
+            )
+
+
+def check_tp(profile: EngineProfile, tp: int) -> None:
+    """The ``tp`` region: a profile that knows its engine's reduction, at a TP size the data describes."""
+    if tp == 1:
+        return  # the region changes nothing at TP=1
+    if profile.tp is None:
+        raise AlignmentError(
+            f"the tp region mirrors a rollout engine's tensor-parallel all-reduce, and profile {profile.name} runs no "
+            f"tensor parallelism; choose the rollout engine's profile (rlalign-verl profiles) or drop tp"
+        )
+    if tp > profile.tp.max_modelled:
+        raise AlignmentError(
+            f"rollout tensor parallel {tp} with the tp region on profile {profile.name}: {profile.tp.beyond}; "
+            f"drop tp from the regions or roll out at tensor parallel <= {profile.tp.max_modelled}"
+        )
+
+
+def check_tp_model(model_type: str, config: Any, tp: int, moe: bool) -> None:
+    """The engine splits heads and the MLP's intermediate columns evenly; MoE experts are not modelled."""
+    if moe:
+        raise UnsupportedModelError(
+            f"the tp region models dense o_proj/down_proj; {model_type}'s experts under the engine's TP/EP layout "
+            "are not modelled yet: drop tp from the regions for this model"
+        )
+    for attr in ("num_attention_heads", "intermediate_size"):
+        size = getattr(config, attr, None) if config is not None else None
+        if isinstance(size, int) and size % tp:
+            raise UnsupportedModelError(
+                f"{model_type}: {attr}={size} is not divisible by the rollout tensor parallel size {tp}, so the "
+                "engine cannot split it (and the tp region cannot mirror the split); check the rollout's "
+                "tensor_model_parallel_size"
             )
 
 

@@ -64,9 +64,10 @@ def names(value: Any, valid: tuple[str, ...], dotted: str, spelling: str) -> tup
 
 REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
 ALL_REGIONS = REGIONS
-OPT_IN_REGIONS: tuple[str, ...] = ("moe", "attention", "lm_head")
+OPT_IN_REGIONS: tuple[str, ...] = ("moe", "attention", "lm_head", "tp")
 """Accepted by name only, never part of ``all``: ``moe`` (MoE router and combine; refused on dense models),
-``attention`` (vLLM CPU profiles; :mod:`.attention`) and ``lm_head`` (the engine's head dtype; :mod:`.lm_head`)."""
+``attention`` (vLLM CPU profiles; :mod:`.attention`), ``lm_head`` (the engine's head dtype; :mod:`.lm_head`) and
+``tp`` (the rollout's tensor-parallel reduction in o_proj/down_proj; :mod:`rlalign_verl.regions.tp`)."""
 
 
 def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:

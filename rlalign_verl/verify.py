@@ -191,7 +191,7 @@ def ladder_metrics(
     return out
 
 
-LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm")
+LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm", "tp")
 """Rungs of ``verify.ladder`` besides the run's own setting (``all`` = the aligned pass itself)."""
 
 

@@ -4,10 +4,10 @@
   cache, ``$RLALIGN_CACHE`` or ``~/.cache/rlalign-verl/tiny``; set ``RLALIGN_TEST_FRESH_TINY=1`` to build
   into the session's tmp dir instead).
 - ``qwen2_path -> str``: the tiny Qwen2 checkpoint's directory (``tiny_checkpoint("qwen2")``).
-- ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts``: 32 prompts x 32 tokens sampled
-  by the real vLLM engine (seed 0) with their engine log-probs. The first call generates every
-  combination in ``ENGINE_COMBOS`` (plus the one asked for) in ONE engine child process; later calls
-  read the cache. Skips cleanly when vLLM is not installed.
+- ``engine_rollouts(arch="qwen2", mode="compiled", tp=1) -> EngineRollouts``: 32 prompts x 32 tokens
+  sampled by the real vLLM engine (seed 0, tensor parallel ``tp``) with their engine log-probs. The first
+  call generates every combination in ``ENGINE_COMBOS`` (plus the one asked for) in ONE engine child
+  process; later calls read the cache. Skips cleanly when vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
-ENGINE_COMBOS: tuple[tuple[str, str], ...] = (
-    ("qwen2", "compiled"),
-    ("qwen2", "eager"),
-    ("qwen3", "compiled"),
-    ("qwen3", "eager"),
+ENGINE_COMBOS: tuple[tuple[str, str, int], ...] = (
+    ("qwen2", "compiled", 1),
+    ("qwen2", "eager", 1),
+    ("qwen3", "compiled", 1),
+    ("qwen3", "eager", 1),
+    ("qwen2", "compiled", 2),
+    ("qwen2", "eager", 2),
 )
-"""(arch, mode) pairs generated together on the first ``engine_rollouts`` request. Override with
-``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager"`` (or ``none`` to generate only what is asked)."""
+"""(arch, mode, tensor parallel) generated together on the first ``engine_rollouts`` request. Override with
+``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager:2"`` (or ``none`` to generate only what is asked)."""
 
 ENGINE_NUM_PROMPTS = 32
 ENGINE_MAX_TOKENS = 32
@@ -52,6 +54,7 @@ class EngineRollouts:
 
     arch: str
     mode: str
+    tp: int
     model_dir: Path
     path: Path
     header: object  # rlalign_verl.diagnose.rollouts.RolloutHeader
@@ -81,7 +84,7 @@ def qwen2_path(tiny_checkpoint: Callable[..., Path]) -> str:
     return str(tiny_checkpoint("qwen2"))
 
 
-def _combos_to_prefetch() -> list[tuple[str, str]]:
+def _combos_to_prefetch() -> list[tuple[str, str, int]]:
     env = os.environ.get("RLALIGN_ENGINE_COMBOS")
     if env is None:
         return list(ENGINE_COMBOS)
@@ -89,8 +92,9 @@ def _combos_to_prefetch() -> list[tuple[str, str]]:
         return []
     out = []
     for item in env.split(","):
-        arch, _, mode = item.strip().partition(":")
-        out.append((arch, mode or "compiled"))
+        arch, _, rest = item.strip().partition(":")
+        mode, _, tp = rest.partition(":")
+        out.append((arch, mode or "compiled", int(tp or 1)))
     return out
 
 
@@ -98,7 +102,7 @@ def _combos_to_prefetch() -> list[tuple[str, str]]:
 def engine_rollouts(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., EngineRollouts]:
-    """Factory: ``engine_rollouts(arch="qwen2", mode="compiled") -> EngineRollouts`` (cached per session)."""
+    """Factory: ``engine_rollouts(arch="qwen2", mode="compiled", tp=1) -> EngineRollouts`` (cached per session)."""
     from rlalign_verl.diagnose.rollouts import read_rollouts
     from rlalign_verl.diagnose.runner import (
         EngineJob,
@@ -108,13 +112,13 @@ def engine_rollouts(
     )
     from rlalign_verl.diagnose.tiny import tiny_prompts
 
-    cache: dict[tuple[str, str], EngineRollouts] = {}
+    cache: dict[tuple[str, str, int], EngineRollouts] = {}
     out_dir = tmp_path_factory.mktemp("engine_rollouts")
 
-    def get(arch: str = "qwen2", mode: str = "compiled") -> EngineRollouts:
+    def get(arch: str = "qwen2", mode: str = "compiled", tp: int = 1) -> EngineRollouts:
         if mode not in ("compiled", "eager"):
             raise ValueError(f"mode must be 'compiled' or 'eager', not {mode!r}")
-        key = (arch, mode)
+        key = (arch, mode, tp)
         if key in cache:
             return cache[key]
         if engine_distribution() is None:
@@ -123,7 +127,7 @@ def engine_rollouts(
         from transformers import AutoTokenizer
 
         jobs = []
-        for a, m in wanted:
+        for a, m, t in wanted:
             model_dir = tiny_checkpoint(a)
             tok = AutoTokenizer.from_pretrained(model_dir)
             prompts = tiny_prompts(tok, ENGINE_NUM_PROMPTS)
@@ -132,18 +136,19 @@ def engine_rollouts(
                     model_dir=str(model_dir),
                     prompts=prompts,
                     max_tokens=ENGINE_MAX_TOKENS,
-                    out=str(out_dir / f"{a}-{m}.jsonl"),
+                    out=str(out_dir / f"{a}-{m}-tp{t}.jsonl"),
                     seed=ENGINE_SEED,
                     enforce_eager=(m == "eager"),
+                    tensor_parallel_size=t,
                 )
             )
         try:
             paths = run_engine_jobs(jobs, log_path=out_dir / f"engine-{arch}-{mode}.log")
         except EngineUnavailableError as e:
             pytest.fail(f"the vLLM engine failed: {e}")
-        for (a, m), p in zip(wanted, paths, strict=True):
+        for (a, m, t), p in zip(wanted, paths, strict=True):
             header, rollouts = read_rollouts(p)
-            cache[(a, m)] = EngineRollouts(a, m, tiny_checkpoint(a), p, header, rollouts)
+            cache[(a, m, t)] = EngineRollouts(a, m, t, tiny_checkpoint(a), p, header, rollouts)
         return cache[key]
 
     return get

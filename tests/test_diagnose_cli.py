@@ -64,6 +64,8 @@ CASES = {
         ],
     ),
     "threads 100000": (["--threads", "100000"], ["--threads must be an integer from 1 to", "100000"]),
+    "tp 0": (["--tp", "0"], ["--tp must be an integer >= 1", "0"]),
+    "tp 3 on 4 heads": (["--tp", "3"], ["--tp 3", "num_attention_heads=4", "divide"]),
     "rollouts 1e6": (["--num-prompts", "1000", "--seeds", "1000"], ["1000000 rollouts, more than 100000"]),
 }
 
@@ -148,3 +150,13 @@ def test_kv_cache_fits_one_request_of_the_context():
     big = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128}
     per_token = 2 * 2 * 28 * 4 * 128
     assert kv_cache_bytes(big, 8192) >= per_token * 8192 > KV_CACHE_BYTES
+
+
+@pytest.mark.parametrize("flag, option", [("--tp", {"tp": 2}), ("--max-tokens", {"max_tokens": 8})])
+def test_engine_options_with_a_dump_are_refused(flag, option):
+    """The dump's header says how its samples were made (its tensor_parallel_size included)."""
+    from rlalign_verl.diagnose.options import DiagnoseOptions
+    from rlalign_verl.errors import AlignmentError
+
+    with pytest.raises(AlignmentError, match=f"{flag} set how the engine samples.*drop {flag}"):
+        DiagnoseOptions(rollout_logprobs="dump.jsonl", **option).check()

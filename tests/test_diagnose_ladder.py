@@ -77,6 +77,10 @@ def test_identical_rungs_say_no_change():
     assert rows[1]["share"] == 0.0 and rows[1]["share_text"].startswith("no change")
 
 
+def _step(steps, name: str):
+    return next(step for step in steps if step[0].name == name)
+
+
 def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
     three = ("rope", "swiglu", "rmsnorm")
     cpu = plan(get_profile("vllm-cpu"), "model")
@@ -84,19 +88,25 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
         ("none", ()),
         ("rope+swiglu+rmsnorm", three),
         ("+ attention", (*three, "attention")),
+        ("+ tp", None),
         ("+ lm_head", None),
         ("+ engine-compiled norm", (*three, "attention")),
         ("+ moe, engine MoE op", None),
     ]
-    assert cpu[5][3] == "dense model: no routed experts"
-    assert cpu[4][2] == {"compiled_norm": True} and cpu[2][2] == {}
+    assert _step(cpu, "+ moe, engine MoE op")[3] == "dense model: no routed experts"
+    assert _step(cpu, "+ tp")[3] == "the rollouts ran at tensor parallel 1: no all-reduce to mirror"
+    assert _step(cpu, "+ engine-compiled norm")[2] == {"compiled_norm": True} and cpu[2][2] == {}
     eager = plan(get_profile("vllm-cpu-eager"), "float32")
-    assert eager[3][1] == (*three, "attention", "lm_head") and eager[4][1] is None
-    assert "does not compile its norms" in eager[4][3]
-    assert cpu[3][3] == HEAD_NOTE and "--engine-head-dtype float32" in HEAD_NOTE
+    assert _step(eager, "+ lm_head")[1] == (*three, "attention", "lm_head")
+    assert _step(eager, "+ engine-compiled norm")[1] is None
+    assert "does not compile its norms" in _step(eager, "+ engine-compiled norm")[3]
+    assert _step(cpu, "+ lm_head")[3] == HEAD_NOTE and "--engine-head-dtype float32" in HEAD_NOTE
     cuda = plan(get_profile("vllm"), "float32")
     assert cuda[2][1] is None and "cannot be aligned to profile 'vllm'" in cuda[2][3]
-    assert cuda[3][1] == (*three, "lm_head") and cuda[3][3] is None
+    assert _step(cuda, "+ lm_head")[1] == (*three, "lm_head") and _step(cuda, "+ lm_head")[3] is None
+    tp2 = plan(get_profile("vllm-cpu"), "model", tp=2)
+    assert _step(tp2, "+ tp")[1] == (*three, "attention", "tp")
+    assert _step(tp2, "+ engine-compiled norm")[1] == (*three, "attention", "tp")
 
 
 def test_plan_on_moe_models_adds_the_engine_moe_op():
@@ -106,15 +116,17 @@ def test_plan_on_moe_models_adds_the_engine_moe_op():
 
     four = ("rope", "swiglu", "rmsnorm", "attention")
     cpu = plan(get_profile("vllm-cpu"), "model", moe=True)
-    assert cpu[4][1] is None and cpu[4][3] == "compiled_norm is verified for dense models only"
+    norm = _step(cpu, "+ engine-compiled norm")
+    assert norm[1] is None and norm[3] == "compiled_norm is verified for dense models only"
+    moe = _step(cpu, "+ moe, engine MoE op")
     if engine_op_available()[0]:
         assert (
-            cpu[5][1] == (*four[:3], "moe", "attention")
-            and cpu[5][2] == {"moe_variant": "engine-op"}
-            and cpu[5][3] is None
+            moe[1] == (*four[:3], "moe", "attention")
+            and moe[2] == {"moe_variant": "engine-op"}
+            and moe[3] is None
         )
-    cuda = plan(get_profile("vllm"), "float32", moe=True)
-    assert cuda[5][1] is None and "vllm-cpu profiles only" in cuda[5][3]
+    cuda = _step(plan(get_profile("vllm"), "float32", moe=True), "+ moe, engine MoE op")
+    assert cuda[1] is None and "vllm-cpu profiles only" in cuda[3]
 
 
 def _header(extra=None) -> SimpleNamespace:
@@ -175,15 +187,19 @@ def test_ladder_on_engine_rollouts(engine_rollouts, tmp_path, capsys):
     assert cli_main([*argv, "--settings", "none,all", "--no-probe", "--no-plots", "--no-floor"]) == 0
     res = json.loads((out / "diagnose.json").read_text())
     rows = res["ladder"]["rows"]
-    names = ["none", "rope+swiglu+rmsnorm", "+ attention", "+ lm_head", "+ engine-compiled norm"]
+    names = ["none", "rope+swiglu+rmsnorm", "+ attention", "+ tp", "+ lm_head", "+ engine-compiled norm"]
     assert [r["rung"] for r in rows] == [*names, "+ moe, engine MoE op"]
     assert rows[0]["mean"] == pytest.approx(res["settings"]["none"][MEAN], rel=1e-5)
     assert rows[1]["mean"] == pytest.approx(res["settings"]["all"][MEAN], rel=1e-5)
     assert rows[0]["tokens"] == 32 * 32
     assert rows[2]["exact_zero"] > rows[1]["exact_zero"] and rows[2]["mean"] < rows[1]["mean"]
-    assert rows[3] == {"rung": "+ lm_head", "skipped": HEAD_NOTE}
-    assert "does not compile its norms" in rows[4]["skipped"]  # the eager path
-    assert rows[5] == {"rung": "+ moe, engine MoE op", "skipped": "dense model: no routed experts"}
+    assert rows[3] == {
+        "rung": "+ tp",
+        "skipped": "the rollouts ran at tensor parallel 1: no all-reduce to mirror",
+    }
+    assert rows[4] == {"rung": "+ lm_head", "skipped": HEAD_NOTE}
+    assert "does not compile its norms" in rows[5]["skipped"]  # the eager path
+    assert rows[6] == {"rung": "+ moe, engine MoE op", "skipped": "dense model: no routed experts"}
     assert res["engine"]["head_dtype"] == "model"
     assert "attribution ladder" in capsys.readouterr().out
 

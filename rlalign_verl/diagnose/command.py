@@ -81,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
         "--settings",
         default=DEFAULT_SETTINGS,
         help="comma-separated alignment settings: none, all, a region (rope, swiglu, rmsnorm; opt-in: "
-        "attention, lm_head, moe) or regions joined with '+' (e.g. rope+rmsnorm, all+attention); "
+        "attention, lm_head, moe, tp) or regions joined with '+' (e.g. rope+rmsnorm, all+attention); "
         "default: none,rope,swiglu,rmsnorm,all",
     )
     p.add_argument(
@@ -112,6 +112,15 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="the engine's lm_head dtype: float32 runs vLLM with hf_overrides head_dtype=float32 (the log-probs "
         "compared are then the fp32-head ones) and aligns the lm_head rung to it; model = bf16 (default)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the engine at tensor parallel N (vLLM's multiprocessing executor, this machine's CPUs split "
+        "between the ranks); the ladder's '+ tp' rung and the floor mirror its all-reduce. With "
+        "--rollout-logprobs the dump header's tensor_parallel_size is used (default: 1)",
     )
     p.add_argument("--no-ladder", action="store_true", help="skip the attribution ladder")
     p.add_argument("--no-floor", action="store_true", help="skip the engine-op floor")
@@ -289,7 +298,7 @@ def _result(opts, s, dist, results, floor_result, floor_note, probe_result) -> d
         "floor": floor_result,
         "floor_note": floor_note,
         "op_probe": probe_result,
-        "recommendation": recommend(results, floor_result),
+        "recommendation": recommend(results, floor_result, s.tp),
     }
 
 

@@ -6,7 +6,8 @@ rounding comparison (docs/diagnose.md, "Header fields"):
 - ``mode`` against ``profile``: the eager and compiled paths of one engine round differently.
 - ``engine`` / ``device`` against ``profile``: a CPU dump under a CUDA profile (or the reverse).
 - ``dtype``: every profile mirrors a bf16 engine; the recompute runs in bf16.
-- ``tensor_parallel_size``: TP > 1 adds the all-reduce's rounding, which no region aligns yet.
+- ``tensor_parallel_size``: TP > 1 adds the all-reduce's rounding: the recompute's ``tp`` setting, the ladder's
+  ``+ tp`` rung and the floor mirror that size.
 - ``logprobs_mode`` + ``sampling``: raw log-probs are of the unmodified distribution (sampling settings
   only chose the tokens); processed log-probs are after penalties, temperature, min-p, top-k/top-p
   (vLLM ``Sampler.sample``). Temperature is applied to the recompute exactly as the engine applies it;
@@ -133,13 +134,6 @@ def _check_tp(path: Path, head: dict[str, Any]) -> None:
     tp = head.get("tensor_parallel_size", 1)
     if not _is(tp, (int,)) or tp < 1:
         raise _fail(path, f"header tensor_parallel_size must be an integer >= 1, got {tp!r}")
-    if tp > 1:
-        raise _fail(
-            path,
-            f"rollout tensor parallel {tp} adds a rounding location (the all-reduce) that no region aligns "
-            "yet, so the gap would not be the regions'; regenerate the rollouts with tensor_parallel_size=1 "
-            "(verl: actor_rollout_ref.rollout.tensor_model_parallel_size=1)",
-        )
 
 
 def _check_extra(path: Path, extra: dict[str, Any]) -> None:

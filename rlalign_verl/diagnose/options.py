@@ -35,6 +35,7 @@ class DiagnoseOptions:
     threads: int | None = None
     engine_head_dtype: str | None = None
     ladder: bool = True
+    tp: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DiagnoseOptions:
@@ -47,7 +48,7 @@ class DiagnoseOptions:
 
     def check(self) -> list[tuple[str, tuple[str, ...]]]:
         """Raise a one-line :class:`AlignmentError` for a bad value; returns the parsed settings."""
-        for name in ("num_prompts", "max_tokens", "seeds"):
+        for name in ("num_prompts", "max_tokens", "seeds", "tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 flag = "--" + name.replace("_", "-")
@@ -100,7 +101,7 @@ request gets ``seed * 100003 + index``, well within a torch generator's 64 bits.
 MAX_ROLLOUTS = 100_000
 """``--num-prompts x --seeds`` above this would take days to recompute (one sequence at a time, per setting)."""
 
-SAMPLING_OPTIONS = ("num_prompts", "max_tokens", "seeds", "temperature")
+SAMPLING_OPTIONS = ("num_prompts", "max_tokens", "seeds", "temperature", "tp")
 """Options that only shape the engine's sampling here; meaningless with a dump (``--rollout-logprobs``)."""
 _DEFAULTS = {f.name: f.default for f in fields(DiagnoseOptions)}
 

@@ -34,6 +34,11 @@ class Sample:
     """What the engine divided its logits by before the log-softmax of the log-probs it reported
     (:func:`.dump_header.logprob_temperature`); the recompute does the same."""
 
+    @property
+    def tp(self) -> int:
+        """The rollout's tensor-parallel size (the header's): the ``tp`` region and the floor mirror it."""
+        return int(self.header.tensor_parallel_size)
+
 
 def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint."""
@@ -77,6 +82,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
         with stage(f"build tiny {opts.tiny or 'qwen2'} model"):
             model_dir = build_tiny_checkpoint(opts.tiny or "qwen2")
     config, tok = check_model(model_dir)
+    check_tp(config, model_dir, opts.tp)
     timing["model_build_s"] = time.time() - t
     prompts = tiny_prompts(tok, opts.num_prompts, seed=opts.seed)
     check_context(config, model_dir, prompts, opts.max_tokens)
@@ -91,14 +97,27 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
         temperature=opts.temperature,
         enforce_eager=profile.name.endswith("-eager"),
         hf_overrides=engine_hf_overrides(opts.engine_head_dtype),
+        tensor_parallel_size=opts.tp,
     )
     n = opts.num_prompts * opts.seeds
     t = time.time()
-    with stage(f"generate {n}x{opts.max_tokens} tokens with {dist[0]} {dist[1]} ({profile.name})"):
+    tp = f", tensor parallel {opts.tp}" if opts.tp > 1 else ""
+    with stage(f"generate {n}x{opts.max_tokens} tokens with {dist[0]} {dist[1]} ({profile.name}{tp})"):
         run_engine_jobs([job], log_path=out_dir / "engine.log")
     timing["engine_s"] = time.time() - t
     header, rollouts = read_rollouts(dump, **model_limits(config))
     return Sample(model_dir, config, profile, header, rollouts, "engine", dump, logprob_temperature(header))
+
+
+def check_tp(config: Any, model_dir: Path, tp: int) -> None:
+    """Refuse (before the engine starts) a ``--tp`` the engine cannot split the model by."""
+    for attr in ("num_attention_heads", "intermediate_size"):
+        size = getattr(config, attr, None)
+        if tp > 1 and isinstance(size, int) and size % tp:
+            raise AlignmentError(
+                f"--tp {tp}: the model's {attr}={size} ({model_dir}) is not divisible by it, so vLLM cannot "
+                f"split it over {tp} ranks; use a --tp that divides it"
+            )
 
 
 def check_context(config: Any, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
@@ -194,7 +213,7 @@ def recompute_settings(
 
     out = {}
     for label, regions in settings:
-        apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype)
+        apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, rollout_tp=s.tp)
         route_info: dict[str, Any] = {}
         try:
             with flips.recording(hf, route_info) if flips else contextlib.nullcontext():
@@ -225,12 +244,18 @@ def floor(
             f"floor skipped: the rollouts come from {p.name} ({p.engine} on {p.device}); "
             "the floor needs that engine's ops on this machine"
         )
+    if s.tp > 1 and any(hasattr(layer.mlp, "experts") for layer in hf.model.layers):
+        return None, (
+            f"floor skipped: the rollouts ran at tensor parallel {s.tp}, and the floor models the experts' "
+            "TP layout of MoE models not yet"
+        )
     from .engine_ops import EngineFloor
 
     compiled = not p.name.endswith("-eager")
     t = time.time()
-    fl = EngineFloor(hf, compiled=compiled)
+    fl = EngineFloor(hf, compiled=compiled, tp=s.tp)  # TP-aware: the all-reduce is the engine's rounding too
     what = "compiled with Inductor as the engine" if compiled else "eager"
+    what += f", tensor parallel {s.tp}" if s.tp > 1 else ""
     lps = recompute(fl.logits, s.rollouts, f"floor [engine ops, {what}]", s.temperature)
     timing["floor_s"] = time.time() - t
     metrics, per_token = measure(lps, s, seed)

@@ -72,8 +72,21 @@ def _floor_part(out: dict[str, Any], base: float, full: float, floor: dict[str, 
     out["reducible_part_removed"] = (base - full) / (base - f) if base > f else None
 
 
-def recommend(results: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
-    """The recommendation dict (``regions``, ``setting``, ``text``, ...) for the settings' rows."""
+def recommend(results: dict[str, Any], floor: dict[str, Any] | None, tp: int = 1) -> dict[str, Any]:
+    """The recommendation dict (``regions``, ``setting``, ``text``, ...) for the settings' rows; ``tp``: the
+    rollout's tensor-parallel size (> 1 adds a line on the ``tp`` region unless a row already measured it)."""
+    out = _recommend(results, floor)
+    if tp > 1 and not any("tp" in r.get("regions", ()) for r in results.values()):
+        out["tp_note"] = (
+            f"the rollouts ran at tensor parallel {tp}: the engine's all-reduce is one more rounding location, "
+            "which the tp region mirrors (alignment.regions=[...,tp]); the ladder's '+ tp' rung measures what it "
+            "removes"
+        )
+        out["text"] = out.get("text", "") + "; " + out["tp_note"]
+    return out
+
+
+def _recommend(results: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
     if "none" not in results or "all" not in results:
         return {"regions": None, "text": "add 'none' and 'all' to --settings for a recommendation"}
     base, full = results["none"][KEY], results["all"][KEY]

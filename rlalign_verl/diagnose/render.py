@@ -94,7 +94,14 @@ def _table(result: dict[str, Any]) -> list[str]:
         lines.append(_flip_line(result["settings"]))
     if any(r.get("extra") for _, r in rows):
         lines.append("  * evaluated only for the recommendation")
-    lines.append(FLOOR_NOTE if floor else (result.get("floor_note") or ""))
+    tp = (result.get("engine") or {}).get("tensor_parallel_size") or 1
+    tp_note = (
+        f" At tensor parallel {tp} the floor's o_proj/down_proj run as the engine's ranks and its all-reduce "
+        "compute them (the tp region's rounding location)."
+        if tp > 1
+        else ""
+    )
+    lines.append(FLOOR_NOTE + tp_note if floor else (result.get("floor_note") or ""))
     return lines
 
 

@@ -93,6 +93,8 @@ class EngineJob:
     max_model_len: int | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.LLM(hf_overrides=...)``, e.g. ``{"head_dtype": "float32"}`` (the engine's fp32 head)."""
+    tensor_parallel_size: int = 1
+    """The engine's TP size (> 1: vLLM's multiprocessing executor, one worker per rank, CPUs split between them)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -262,6 +264,7 @@ def _header(job: EngineJob, llm: Any, max_len: int, t_start: float, t_gen: float
             "per_request_seed": f"{job.seed}*100003+index",
         },
         profile=engine_profile_for(mode == "eager", "cpu"),
+        tensor_parallel_size=job.tensor_parallel_size,
         device="cpu",
         compilation=comp_info,
         logprobs_mode=logprobs_mode,
@@ -306,16 +309,44 @@ def kv_cache_bytes(config: dict[str, Any], max_len: int) -> int:
     return max(KV_CACHE_BYTES, per_token * (max_len + 512))
 
 
-def _run_job(job: EngineJob) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def omp_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU ranks: the CPUs this process may use, split evenly
+    (``0|1`` on 2 cores); fewer CPUs than ranks share them round-robin."""
+    cpus = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    if len(cpus) < tp:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
 
+
+def _run_job(job: EngineJob) -> None:
     longest = max(len(p) for p in job.prompts)
     cfg_path = Path(job.model_dir) / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     ctx = cfg.get("max_position_embeddings")
     # some room above the longest request, never beyond the model's context (vLLM refuses that)
     max_len = job.max_model_len or min(max(256, longest + job.max_tokens + 16), ctx or 1 << 62)
+    tp = job.tensor_parallel_size
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if tp > 1:  # one worker process per rank, each bound to its own CPUs (vLLM's CPU TP needs the binding)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind if bind and bind.count("|") == tp - 1 else omp_bind(tp)
+    try:
+        _generate(job, cfg, max_len, tp)
+    finally:  # the next job (another TP size) in this child binds anew
+        if bind is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+
+def _generate(job: EngineJob, cfg: dict[str, Any], max_len: int, tp: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
     t0 = time.time()
     llm = LLM(
         model=job.model_dir,
@@ -326,6 +357,7 @@ def _run_job(job: EngineJob) -> None:
         kv_cache_memory_bytes=kv_cache_bytes(cfg, max_len),
         enforce_eager=job.enforce_eager,
         enable_prefix_caching=False,
+        **({"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}),
         **({"hf_overrides": dict(job.hf_overrides)} if job.hf_overrides else {}),
     )
     t_start = time.time() - t0

@@ -287,7 +287,11 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     spec = AlignmentSpec.parse(values, spelling="flag")
     check_spellings(rest)
     profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
-    spec = spec.replace(engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT)
+    # the rollout's TP size is a fact of the rollout, read from OpenRLHF's flag (the tp region mirrors it)
+    tp = moe_tensor_parallel(rest)
+    spec = spec.replace(
+        engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT, rollout_tp=tp or 1
+    )
     check_lm_head(spec.regions)
     validate_request(
         spec,
@@ -295,7 +299,6 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
         rollout=ROLLOUT,
         liger=switch_on(rest, LIGER_FLAGS),
         expert_parallel=expert_parallel_flag(rest),
-        tensor_parallel=moe_tensor_parallel(rest),
         spelling="flag",
     )
     return LaunchOptions(Settings(spec, collect), profile_reason=reason, address=address, openrlhf_argv=rest)

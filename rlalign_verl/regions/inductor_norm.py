@@ -42,16 +42,18 @@ def _add_norm_store_math(h, residual, weight, eps: float, rounding: NormRounding
     return normalize_rows(s, rt, weight.float(), rounding, out_dtype), s
 
 
-def stores_sum(index: int, reads_threshold: int = 4) -> bool:
+def stores_sum(index: int, reads_threshold: int = 4, tp: int = 1) -> bool:
     """Whether the engine's whole-model graph stores the residual sum in the kernel of norm ``index``.
 
     Norms are counted along the residual stream (layer ``l``: input norm ``2l``, post-attention ``2l+1``).
     Inductor recomputes a pointwise node in each consumer until it reads more than
     ``realize_reads_threshold`` (4) buffers, then stores it. The stream starts with the embedding gather
     (2 reads: ids, table), gains one read per added layer output, and restarts at 1 read once stored:
-    stored at norms 3, 7, 11, ... (measured on the engine floor: tests/test_inductor_norm.py).
+    stored at norms 3, 7, 11, ... (measured on the engine floor: tests/test_inductor_norm.py). At rollout
+    tensor parallel ``tp`` > 1 the embedding is ``VocabParallelEmbedding``'s all-reduce output, one opaque
+    buffer (1 read): stored at norms 4, 8, 12, ... (measured on the TP=2 engine: tests/test_tp_engine.py).
     """
-    reads = 2
+    reads = 2 if tp == 1 else 1  # gather (ids, table) at TP=1; the all-reduced partial lookups at TP>1
     for n in range(1, index + 1):
         reads += 1
         if reads > reads_threshold:
@@ -198,8 +200,9 @@ class _InductorRmsNormFn(torch.autograd.Function):
         return dx, gw, None, None, None, None
 
 
-def inductor_norms(profile: EngineProfile) -> tuple[Callable, Callable]:
-    """``(rms_norm, add_rms_norm)`` with :mod:`.rmsnorm`'s signatures, forwards compiled as ``profile``'s engine.
+def inductor_norms(profile: EngineProfile, tp: int = 1) -> tuple[Callable, Callable]:
+    """``(rms_norm, add_rms_norm)`` with :mod:`.rmsnorm`'s signatures, forwards compiled as ``profile``'s engine
+    runs them at rollout tensor parallel ``tp``.
 
     Raises ``ValueError`` when the profile's engine path does not compile its norms with Inductor.
     """
@@ -224,7 +227,7 @@ def inductor_norms(profile: EngineProfile) -> tuple[Callable, Callable]:
         out_dtype=None,
         index=None,
     ):
-        store = index is not None and stores_sum(index)
+        store = index is not None and stores_sum(index, tp=tp)
         return _InductorAddRmsNormFn.apply(
             h, residual, weight, eps, rounding, round_residual, out_dtype, options, store
         )

@@ -22,6 +22,18 @@ from .log import logger
 from .wire import OVERRIDE_PATH, SPEC_KEY
 
 EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
+TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+def rollout_tp_of(config: Any) -> int:
+    """The rollout's tensor-parallel size (verl's default 1); a value that is no integer >= 1 is refused."""
+    value = select(config, TP_KEY, 1)
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not str(value).strip().isdigit() or int(str(value).strip()) < 1:
+        raise AlignmentError(f"{TP_KEY}={value!r}: give the rollout's tensor-parallel size, an integer >= 1")
+    return int(str(value).strip())
+
+
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 PLUGIN_NAME = "rlalign_verl"
 """Our entry point's name in the ``verl.plugins`` group (what ``VERL_USE_EXTERNAL_PLUGINS`` lists)."""
@@ -95,6 +107,7 @@ def resolve_spec(
 ) -> tuple[AlignmentSpec, str]:
     """``spec`` with ``engine=auto`` settled from the rollout settings and the rollout engine recorded; why."""
     rollout = str(select(config, "actor_rollout_ref.rollout.name") or "").strip().lower()
+    spec = spec.replace(rollout_tp=rollout_tp_of(config))  # a fact of the rollout, like compiled/eager
     if spec.engine != "auto":
         return spec.replace(rollout=rollout), f"alignment.engine={spec.engine} (set explicitly)"
     if on_cuda is None:
@@ -264,7 +277,6 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
             device=device,
             liger=option_bool(select(config, liger_key), name=liger_key, default=False),
             expert_parallel=select(config, EP_KEY, 1),
-            tensor_parallel=select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1),
         )
         if not on_cuda and spec.profile().device == "cuda":
             logger.warning(
@@ -276,9 +288,11 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
     reconcile_head_dtype(config, spec)
     check_metrics_config(config, spec)
     if spec.doctor.enable:  # confounders that make the gap something other than rounding; errors stop here
+        from ..doctor_findings import rollout_tp_line
         from .doctor_config import check as doctor_check
 
-        for line in doctor_check(config, allow=spec.doctor.allow):
+        tp_line = rollout_tp_line(spec.rollout_tp, spec.regions)
+        for line in doctor_check(config, allow=spec.doctor.allow) + ([tp_line] if tp_line else []):
             logger.warning("doctor: %s", line)
     write_worker_spec(config, spec)
     if spec.regions:

@@ -61,7 +61,7 @@ def test_moe_parallel_settings_are_refused_before_ray(case, tmp_path, capsys, mo
 GOOD = {
     "tp 2 without moe": ("qwen3_moe", "all", ["--vllm.tensor_parallel_size", "2"]),
     "tp 1 with moe": ("qwen2_moe", "all,moe", ["--vllm.tensor_parallel_size=1"]),
-    "dense model, tp 2 + moe": ("qwen2", "all,moe", ["--vllm.tensor_parallel_size", "2"]),
+    "dense model, tp 2": ("qwen2", "all", ["--vllm.tensor_parallel_size", "2"]),
     "nothing aligned, expert parallel": ("qwen3_moe", "none", ["--vllm.enable_expert_parallel"]),
     "remote model": (None, "all,moe", ["--vllm.tensor_parallel_size", "2"]),
 }  # fmt: skip
@@ -72,10 +72,8 @@ def test_supported_settings_pass(case, tmp_path, monkeypatch):
     model_type, regions, extra = GOOD[case]
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
     path = _model(tmp_path, model_type) if model_type else "Qwen/Qwen3-30B-A3B"
-    opted = [
-        "--alignment.experimental.unverified",
-        "moe",
-    ]  # the default vllm profile's MoE data is unverified
+    # the default vllm profile's MoE data is unverified (a dense model refuses the opt-in: it would use nothing)
+    opted = ["--alignment.experimental.unverified", "moe"] if model_type != "qwen2" else []
     opts = parse_launcher_args(
         ["--alignment.regions", regions, *opted, "--actor.model_name_or_path", path, *extra]
     )
@@ -167,3 +165,28 @@ def test_moe_variant_flag(tmp_path):
         with pytest.raises(AlignmentError) as e:
             parse_launcher_args([*argv, *extra, "--actor.model_name_or_path", model])
         assert "\n" not in str(e.value) and fragment in str(e.value), (case, str(e.value))
+
+
+@pytest.mark.parametrize(
+    "regions, extra, fragment",
+    [
+        ("all,moe", ["--alignment.experimental.unverified", "moe"], "it would align nothing"),
+        ("all", ["--alignment.experimental.unverified", "moe"], "never uses"),
+    ],
+)
+def test_moe_settings_on_a_dense_model_are_refused(regions, extra, fragment, tmp_path, monkeypatch):
+    """A region or opt-in that wraps nothing on the model is refused in one line, not logged as aligned."""
+    from rlalign_verl.errors import AlignmentError
+
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
+    argv = ["--alignment.regions", regions, *extra, "--actor.model_name_or_path", _model(tmp_path, "qwen2")]
+    with pytest.raises(AlignmentError, match=fragment):
+        parse_launcher_args([*argv, "--vllm.tensor_parallel_size", "2"])
+
+
+def test_the_rollout_tp_size_comes_from_openrlhfs_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
+    model = ["--actor.model_name_or_path", _model(tmp_path, "qwen2")]
+    opts = parse_launcher_args(["--alignment.regions", "all,tp", *model, "--vllm.tensor_parallel_size", "2"])
+    assert opts.settings.spec.rollout_tp == 2 and "tp" in opts.settings.spec.regions
+    assert parse_launcher_args(["--alignment.regions", "rope", *model]).settings.spec.rollout_tp == 1
