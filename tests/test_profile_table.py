@@ -52,3 +52,21 @@ def test_cells_follow_the_fields(monkeypatch):
 def test_replace_block_needs_markers():
     with pytest.raises(ValueError, match="begin/end markers"):
         profile_table.replace_block("no table here", profile_table.render())
+
+
+def test_the_tp_cell_follows_the_reduction_fields():
+    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.profiles_tp import TpReduction
+
+    cpu = get_profile("vllm-cpu")
+    assert profile_table.tp_cell(cpu).startswith("fp32 sum, one rounding (from each rank's own partial)")
+    assert "TP ≤ 2; verified at TP 2" in profile_table.tp_cell(cpu)
+    hops = TpReduction(
+        accumulate="bf16", order="rank", store="nearest", max_modelled=8, beyond="", fused_norm="x"
+    )
+    cell = profile_table.tp_cell(cpu.with_name("x", tp=hops))
+    assert (
+        cell
+        == "bf16, a rounding per add (ranks 0..N-1); TP ≤ 8; fused all-reduce + norm not modelled; UNVERIFIED"
+    )
+    assert profile_table.tp_cell(get_profile("hf")) == "no tensor parallelism"

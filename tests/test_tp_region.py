@@ -95,20 +95,31 @@ def test_tp1_is_the_plain_linear():
     assert torch.equal(row_parallel_linear(x, w, b, 1, FP32_ONCE), F.linear(x, w, b))
 
 
-def test_gradients_through_the_split_equal_the_unsplit_ones_within_bf16():
+def test_the_gradients_are_the_unsplit_linears():
+    """Every partial receives the output's bf16 gradient unchanged, and the slices' gradients are disjoint
+    column blocks: the backward is nn.Linear's, bit for bit, for the same upstream gradient."""
     x, w, b = _inputs(6)
+    upstream = torch.linspace(-1, 1, w.shape[0])
     grads = []
     for tp in (1, 2, 4):
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
         y = row_parallel_linear(xs, ws, bs, tp, FP32_ONCE)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        (y.float() * upstream).sum().backward()
         grads.append((xs.grad, ws.grad, bs.grad))
     for got in grads[1:]:
         for g, ref in zip(got, grads[0], strict=True):
-            assert g.dtype == BF
-            # the same products; the input gradient sums the partials' bf16 gradients over K slices:
-            # a few bf16 ulps (2**-7 relative) at most
-            torch.testing.assert_close(g.float(), ref.float(), rtol=2**-6, atol=1e-3)
+            assert g.dtype == BF and torch.equal(g, ref)
+
+
+def test_fp32_master_weights_under_bf16_autocast():
+    x, w, b = _inputs(7)
+    w32, b32 = w.float().requires_grad_(), b.float().requires_grad_()
+    with torch.autocast("cpu", dtype=BF):
+        y = row_parallel_linear(x, w32, b32, 2, FP32_ONCE)
+        ref = row_parallel_linear(x, w, b, 2, FP32_ONCE)
+    assert y.dtype == BF and torch.equal(y, ref)  # the GEMMs compute in bf16, as the engine's
+    y.float().sum().backward()
+    assert w32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32
 
 
 # --- on a model ------------------------------------------------------------------------------------
@@ -246,3 +257,14 @@ def test_verify_ladder_and_doctor_name_tp():
     assert line and "tensor parallel 2" in line and "add tp to alignment.regions" in line and "\n" not in line
     assert rollout_tp_line(2, spec.regions) is None and rollout_tp_line(1, ("rope",)) is None
     assert rollout_tp_line(4, ()) is None  # alignment off: nothing to add to
+
+
+@pytest.mark.parametrize("profile", ["vllm", "vllm-eager", "sglang"])
+def test_the_gpu_profiles_reduce_as_their_custom_all_reduce(profile):
+    """Source facts (../shared/docs/tp-reduction.md): vLLM's custom all-reduce (custom_collective_common.cuh:83-88,
+    292-299) and SGLang's CustomAllReduceV2 (vec.cuh:138-160) accumulate in fp32 over ranks 0..N-1 and round once,
+    to nearest; both run up to 8 ranks."""
+    x, w, b = _inputs(20)
+    ref = _sum_in_order(_partials(x, w, b, 4)).to(BF)
+    assert torch.equal(row_parallel_linear(x, w, b, 4, get_profile(profile).tp), ref)
+    assert get_profile(profile).tp.max_modelled == 8

@@ -4,8 +4,8 @@ under tensor parallelism of size N, parameterised by :class:`~rlalign_verl.profi
 The engine's ``RowParallelLinear`` splits the input dimension K into N contiguous slices (rank r holds the
 heads / intermediate columns ``r*K/N .. (r+1)*K/N``); each rank's GEMM stores its partial product in bf16,
 and the all-reduce sums the partials. The trainer's single GEMM over all of K rounds once instead: that one
-rounding location is what separates a TP>1 rollout from the trainer. Backward is autograd's through the
-slices (each partial receives the bf16 gradient of the sum, as the engine's reduce would pass it back).
+rounding location is what separates a TP>1 rollout from the trainer. Backward is ``nn.Linear``'s: the split
+changes where the forward rounds, not the gradient's math (:class:`_RowParallelFn`).
 """
 
 from __future__ import annotations
@@ -20,27 +20,58 @@ from ..profiles_tp import TpReduction
 from ._precision import store_as
 
 
+class _RowParallelFn(torch.autograd.Function):
+    """Forward: the engine's split GEMM and reduction. Backward: ``nn.Linear``'s (one GEMM each for the input and
+    the weight gradient). Exact, not an approximation: every partial receives the output's bf16 gradient
+    unchanged (bf16 -> fp32 -> bf16 through the fp32 sum is lossless), and the K slices' input and weight
+    gradients are disjoint column blocks of the unsplit ones; autograd through the slices would build them from
+    ``tp`` zero-filled full-size buffers instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp, reduction):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        with torch.no_grad():
+            k = weight.shape[1] // tp
+            # rank r's GEMM over its K slice stores a bf16 partial; the bias is added on rank 0 only, in its GEMM
+            parts = [
+                F.linear(
+                    x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None
+                )
+                for r in range(tp)
+            ]
+            if reduction.accumulate == "fp32":
+                acc = parts[0].float()
+                for p in parts[1:]:
+                    acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
+                return store_as(acc, reduction.store, parts[0].dtype)  # and stores the sum once
+            out = parts[0]
+            for p in parts[1:]:
+                out = store_as(
+                    out.float() + p.float(), reduction.store, out.dtype
+                )  # bf16 per hop: a rounding per add
+            return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dtype = g.dtype  # the compute dtype (bf16 weights, or fp32 masters under bf16 autocast)
+        gx = g @ weight.to(dtype) if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            gw = g.reshape(-1, g.shape[-1]).t() @ x.to(dtype).reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.reshape(-1, g.shape[-1]).sum(0)
+        return gx, gw, gb, None, None
+
+
 def row_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, reduction: TpReduction
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it."""
     if tp == 1:
         return F.linear(x, weight, bias)
-    k = weight.shape[1] // tp
-    # rank r's GEMM over its K slice stores a bf16 partial; the bias is added on rank 0 only, inside its GEMM
-    parts = [
-        F.linear(x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None)
-        for r in range(tp)
-    ]
-    if reduction.accumulate == "fp32":
-        acc = parts[0].float()
-        for p in parts[1:]:
-            acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
-        return store_as(acc, reduction.store, x.dtype)  # and stores the sum once
-    out = parts[0]
-    for p in parts[1:]:
-        out = store_as(out.float() + p.float(), reduction.store, x.dtype)  # bf16 per hop: a rounding per add
-    return out
+    return _RowParallelFn.apply(x, weight, bias, tp, reduction)
 
 
 def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
