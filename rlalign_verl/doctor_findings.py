@@ -45,6 +45,16 @@ def rollout_tp_line(tp: int, regions: tuple[str, ...], regions_key: str = "align
     )
 
 
+def tp_unmodelled_line(profile: object, tp: int, regions: tuple[str, ...]) -> str | None:
+    """The start-up line for ``tp`` on a profile whose reduction path at this size has a part it does not model
+    (the fused all-reduce + RMSNorm of compiled vLLM / SGLang on sm90/sm100); ``None`` when nothing is left out."""
+    data = getattr(profile, "tp", None)
+    if tp <= 1 or "tp" not in regions or data is None or not data.fused_norm:
+        return None
+    verified = "" if tp in data.verified_tp else f"; the tp data is UNVERIFIED at TP={tp} (read from source)"
+    return f"profile {getattr(profile, 'name', profile)}: {data.fused_norm}{verified}"
+
+
 class DoctorConfigError(AlignmentError):
     """A setting that makes the rollout log-probs feed a wrong ratio into the loss, not acknowledged."""
 

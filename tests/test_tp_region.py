@@ -257,6 +257,12 @@ def test_verify_ladder_and_doctor_name_tp():
     assert line and "tensor parallel 2" in line and "add tp to alignment.regions" in line and "\n" not in line
     assert rollout_tp_line(2, spec.regions) is None and rollout_tp_line(1, ("rope",)) is None
     assert rollout_tp_line(4, ()) is None  # alignment off: nothing to add to
+    from rlalign_verl.doctor_findings import tp_unmodelled_line
+
+    cuda = tp_unmodelled_line(get_profile("vllm"), 4, ("tp",))
+    assert cuda and "AllReduceFusionPass" in cuda and "UNVERIFIED at TP=4" in cuda and "\n" not in cuda
+    assert tp_unmodelled_line(get_profile("vllm-cpu"), 2, ("tp",)) is None  # nothing left out, verified
+    assert tp_unmodelled_line(get_profile("vllm"), 1, ("tp",)) is None
 
 
 @pytest.mark.parametrize("profile", ["vllm", "vllm-eager", "sglang"])

@@ -94,14 +94,17 @@ def _check_confounders(options: LaunchOptions) -> None:
     spec = options.settings.spec
     if not spec.doctor.enable:
         return
-    from ..doctor_findings import rollout_tp_line
+    from ..doctor_findings import rollout_tp_line, tp_unmodelled_line
     from .doctor_flags import check
 
     collect = options.settings.collect_rollout_logprobs
     lines = check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow)
-    tp_line = rollout_tp_line(spec.rollout_tp, spec.regions, "--alignment.regions")
-    for line in lines + ([tp_line] if tp_line else []):
-        logger.warning("doctor: %s", line)
+    lines += [rollout_tp_line(spec.rollout_tp, spec.regions, "--alignment.regions")]
+    if spec.regions:
+        lines += [tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions)]
+    for line in lines:
+        if line:
+            logger.warning("doctor: %s", line)
 
 
 def _print_help() -> None:

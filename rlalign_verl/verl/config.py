@@ -288,11 +288,13 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
     reconcile_head_dtype(config, spec)
     check_metrics_config(config, spec)
     if spec.doctor.enable:  # confounders that make the gap something other than rounding; errors stop here
-        from ..doctor_findings import rollout_tp_line
+        from ..doctor_findings import rollout_tp_line, tp_unmodelled_line
         from .doctor_config import check as doctor_check
 
-        tp_line = rollout_tp_line(spec.rollout_tp, spec.regions)
-        for line in doctor_check(config, allow=spec.doctor.allow) + ([tp_line] if tp_line else []):
+        tp_lines = [rollout_tp_line(spec.rollout_tp, spec.regions)]
+        if spec.regions:
+            tp_lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
+        for line in doctor_check(config, allow=spec.doctor.allow) + [t for t in tp_lines if t]:
             logger.warning("doctor: %s", line)
     write_worker_spec(config, spec)
     if spec.regions:
