@@ -5,7 +5,8 @@ not as a layer argument, so FSDP2 neither casts it nor wraps it in its post-back
 visible ``[B, T, H]`` output does. This checks that FSDP2's hooks still fire in the right order (params
 unsharded before each layer's backward, gradients reduced after it) for every carry kind — ``PAIR``
 (``sglang``, ``vllm-cpu-eager``), ``FP32_SUM`` (``vllm``, ``vllm-cpu``), ``ROUNDED_SUM`` (``hf``,
-``vllm-eager``) — with and without verl's non-reentrant gradient checkpointing, on 2 gloo ranks (CPU).
+``vllm-eager``) — and the ``tp`` region's split projections (rollout TP 2), with and without verl's
+non-reentrant gradient checkpointing, on 2 gloo ranks (CPU).
 
 Expected: bit-identical. Both ranks see the same batch, so FSDP2's fp32 reduce gives ``(g + g) / 2 = g``
 exactly, and ``g`` is the bf16 gradient of the reference (parameters in bf16, as FSDP2 computes with
@@ -22,6 +23,9 @@ import sys
 import pytest
 
 PROFILES = ("hf", "vllm-eager", "sglang", "vllm-cpu-eager", "vllm", "vllm-cpu")
+THREE = ("rope", "swiglu", "rmsnorm")
+CASES = [(p, THREE, 1) for p in PROFILES] + [("vllm-cpu", (*THREE, "tp"), 2)]
+"""(profile, regions, rollout TP): every carry kind, and the tp region's per-rank GEMMs + reduction."""
 WORLD = 2
 
 
@@ -41,13 +45,13 @@ def test_fsdp2_gradients_equal_unsharded_for_every_carry_kind(tmp_path) -> None:
             break
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads(out_file.read_text())
-    assert len(results) == len(PROFILES) * 2
+    assert len(results) == len(CASES) * 2
     for r in results:
         assert r["params"] > 10 and r["mismatched"] == [], r
         assert r["logits_equal"], r
     # the profiles change the gradients (otherwise bit-identity could hold by accident of no alignment)
-    sums = {r["profile"]: r["grad_sum"] for r in results if not r["checkpointing"]}
-    assert len(set(sums.values())) >= 4, sums
+    sums = {r["case"]: r["grad_sum"] for r in results if not r["checkpointing"]}
+    assert len(set(sums.values())) >= 5, sums
 
 
 def _build():
@@ -90,14 +94,14 @@ def _rank(rank: int, out_file: str) -> None:
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     base = _build()
     results = []
-    for profile in PROFILES:
+    for profile, regions, tp in CASES:
         for checkpointing in (False, True):
             ref = copy.deepcopy(base)
             for p in ref.parameters():
                 p.data = p.data.to(torch.bfloat16)  # buffers stay fp32, as under FSDP2
             wrapped = copy.deepcopy(base)
             for m in (ref, wrapped):
-                apply_alignment(m, regions=("rope", "swiglu", "rmsnorm"), engine=profile)
+                apply_alignment(m, regions=regions, engine=profile, rollout_tp=tp)
             for layer in wrapped.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(wrapped, mesh=mesh, mp_policy=mp)
@@ -110,6 +114,7 @@ def _rank(rank: int, out_file: str) -> None:
             results.append(
                 {
                     "profile": profile,
+                    "case": f"{profile} {'+'.join(regions)} tp{tp}",
                     "checkpointing": checkpointing,
                     "params": len(names),
                     "mismatched": mismatched,
