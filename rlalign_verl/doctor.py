@@ -34,7 +34,7 @@ import torch
 from .doctor_trend import GapTrend
 from .errors import MetricsInputError
 from .metrics import sorted_quantiles
-from .rounds import round_findings, round_metrics_prechecked, unexplained_mask
+from .rounds import round_findings, round_metrics, unexplained_mask
 from .tensor_inputs import check_ids, check_log_probs, check_step
 
 __all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
@@ -357,8 +357,8 @@ class Doctor:
         )
         if PREFIX + "abs_mean" in sig:
             sig.update(self.trend.update(step, sig[PREFIX + "abs_mean"]))
-        sig.update(round_metrics_prechecked(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
-                                            rollout_ids=rollout_ids, where="Doctor.step"))  # fmt: skip
+        sig.update(round_metrics(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
+                                 rollout_ids=rollout_ids, inputs_checked=True, where="Doctor.step"))  # fmt: skip
         by_round = round_findings(sig)
         found = findings(sig, self.context)
         if (

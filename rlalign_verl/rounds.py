@@ -75,42 +75,22 @@ def round_metrics(
     rollout_ids: torch.Tensor | None = None,
     max_rounds: int = MAX_ROUNDS,
     prefix: str = "mismatch/",
+    inputs_checked: bool = False,
+    where: str = "rounds.round_metrics",
 ) -> dict[str, float]:
     """Per-round ``mismatch/*`` and the token-identity share (module docstring); ``{}`` when neither applies.
 
     ``train``/``rollout``/``mask``: the ``[B, T]`` tensors of :func:`~rlalign_verl.metrics.compute_mismatch_metrics`;
     ``trainer_ids``/``rollout_ids``: the ``[B, T]`` ids the trainer scored and the rollout sampled (both or neither).
     Raises :class:`~rlalign_verl.errors.MetricsInputError` on malformed inputs
-    (:func:`~rlalign_verl.tensor_inputs.check_log_probs`).
+    (:func:`~rlalign_verl.tensor_inputs.check_log_probs`), each starting with ``where``. ``inputs_checked``: the
+    log-probs and the mask already passed that check (:meth:`~rlalign_verl.doctor.Doctor.step` checks its inputs
+    once for the signature and the rounds); the ids are checked here either way.
     """
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 2:
         raise _fail(f"max_rounds={max_rounds!r}: give an int >= 2 (default {MAX_ROUNDS})")
-    check_log_probs("rounds.round_metrics", {"train": train, "rollout": rollout}, "mask", mask)
-    return round_metrics_prechecked(
-        train,
-        rollout,
-        mask,
-        trainer_ids=trainer_ids,
-        rollout_ids=rollout_ids,
-        max_rounds=max_rounds,
-        prefix=prefix,
-    )
-
-
-def round_metrics_prechecked(
-    train: torch.Tensor,
-    rollout: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    trainer_ids: torch.Tensor | None = None,
-    rollout_ids: torch.Tensor | None = None,
-    max_rounds: int = MAX_ROUNDS,
-    prefix: str = "mismatch/",
-    where: str = "rounds.round_metrics",
-) -> dict[str, float]:
-    """:func:`round_metrics` on log-probs and a mask that already passed
-    :func:`~rlalign_verl.tensor_inputs.check_log_probs` (:meth:`~rlalign_verl.doctor.Doctor.step` checks its
-    inputs once for the signature and the rounds); the ids are checked here, errors start with ``where``."""
+    if not inputs_checked:
+        check_log_probs(where, {"train": train, "rollout": rollout}, "mask", mask)
     if (trainer_ids is None) != (rollout_ids is None):
         raise MetricsInputError(f"{where}: give trainer_ids and rollout_ids together (the identity check compares "
                                 "them), or neither")  # fmt: skip
