@@ -85,6 +85,17 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         apply=fixes.vllm_weight_reload,
         gates=(VERL, VLLM),
     ),
+    Adaptation(
+        name="vllm_tp_thread_bind",
+        reason="vLLM's CPU thread binding 'auto' puts one rank per NUMA node and fails at TP>1 on a machine with "
+        'fewer nodes ("Not enough allowed NUMA nodes"); the server splits its CPUs over the ranks '
+        "(VLLM_CPU_OMP_THREADS_BIND, e.g. 0|1) unless that is set",
+        upstream="vllm/utils/ompmultiprocessing.py:OMPProcessManager._get_autobind_cpu_ids (line 217); "
+        "verl/workers/rollout/vllm_rollout/vllm_async_server.py:vLLMHttpServer.launch_server (line 277)",
+        module="verl.workers.rollout.vllm_rollout.vllm_async_server",
+        apply=fixes.vllm_tp_thread_bind,
+        gates=(VERL, VLLM),
+    ),
 )
 
 
