@@ -206,6 +206,26 @@ def vllm_weight_reload(module: ModuleType) -> None:
     ext.update_weights_from_ipc = _mark(update_weights_from_ipc)
 
 
+# --- fp32_logprobs --------------------------------------------------------------------------------
+
+
+def fp32_logprobs(module: ModuleType) -> None:
+    """verl's fallback log-prob of bf16 logits in fp32, as flash-attn's cross-entropy computes it on a GPU."""
+    original = require(module, "logprobs_from_logits_v2", "fp32_logprobs")
+    if _patched(original):
+        return
+
+    @functools.wraps(original)
+    def logprobs_from_logits_v2(logits: Any, labels: Any) -> Any:
+        # without flash-attn verl takes log_softmax of bf16 logits in bf16, storing every log-prob in bf16
+        # (a rounding the engine's fp32 sampler never makes); the fp32 branch is its logsumexp identity
+        if logits.is_floating_point() and logits.element_size() < 4:
+            logits = logits.float()
+        return original(logits, labels)
+
+    module.logprobs_from_logits_v2 = _mark(logprobs_from_logits_v2)
+
+
 # --- vllm_tp_thread_bind --------------------------------------------------------------------------
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
