@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlalign_verl.profiles import get_profile  # noqa: E402
-from rlalign_verl.spec import AlignmentSpec  # noqa: E402
+from rlalign_verl.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
 from rlalign_verl.verl.config import read_spec, resolve_spec  # noqa: E402
 
 pytestmark = pytest.mark.verl
@@ -92,7 +92,7 @@ def test_recipe_composes_and_verl_accepts_it(recipe):
         cfg = compose_recipe(recipe, ALIGN=align)
         plain = OmegaConf.to_container(cfg, resolve=True)
         resolved[align] = plain
-        defaults = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in ("engine_auto", "rollout")}
+        defaults = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in RESOLVED_KEYS}
         assert plain["alignment"] == {**defaults, "regions": regions}
         assert plain["actor_rollout_ref"]["model"]["override_config"]["rlalign_spec"]["regions"] == regions
         assert plain["actor_rollout_ref"]["rollout"]["calculate_log_probs"] is True
@@ -221,6 +221,7 @@ def test_verl_rejection_fails_the_check():
         ({"LR": "nan"}, "LR=nan is not a positive number"),
         ({"LR": "-1e-6"}, "LR=-1e-6"),
         ({"LOGGERS": "console,mlflw"}, "LOGGERS has 'mlflw'"),
+        ({"TP": "3"}, "TP=3 does not divide BATCH*N=8"),
     ],
 )
 def test_tiny_cpu_recipe_names_a_bad_knob_before_anything_starts(knobs, words, tmp_path):

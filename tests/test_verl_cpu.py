@@ -76,6 +76,8 @@ def test_cpu_adaptations_make_verl_run_on_cpu():
         "vllm_distribution_name",
         "ref_offload_unpinned",
         "vllm_weight_reload",
+        "fp32_logprobs",
+        "vllm_tp_thread_bind",
     ]
     assert info["installed"] == names
     assert (info["device"], info["backend"], info["ipc"]) == ("cpu", "gloo", False)
@@ -107,7 +109,7 @@ def test_plugin_with_cpu_flag_stays_import_light():
         print(json.dumps({"loaded": p.LOADED, "installed": cpu._installed, "heavy": heavy}))
     """
     info = _run_json(code, dict(ENV, RLALIGN_VERL_CPU="1"))
-    assert info["loaded"] and len(info["installed"]) == 5 and info["heavy"] == []
+    assert info["loaded"] and len(info["installed"]) == 7 and info["heavy"] == []
 
 
 def test_missing_target_raises_target_moved():

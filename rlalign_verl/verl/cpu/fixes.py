@@ -206,6 +206,65 @@ def vllm_weight_reload(module: ModuleType) -> None:
     ext.update_weights_from_ipc = _mark(update_weights_from_ipc)
 
 
+# --- fp32_logprobs --------------------------------------------------------------------------------
+
+
+def fp32_logprobs(module: ModuleType) -> None:
+    """verl's fallback log-prob of bf16 logits in fp32, as flash-attn's cross-entropy computes it on a GPU."""
+    original = require(module, "logprobs_from_logits_v2", "fp32_logprobs")
+    if _patched(original):
+        return
+
+    @functools.wraps(original)
+    def logprobs_from_logits_v2(logits: Any, labels: Any) -> Any:
+        # without flash-attn verl takes log_softmax of bf16 logits in bf16, storing every log-prob in bf16
+        # (a rounding the engine's fp32 sampler never makes); the fp32 branch is its logsumexp identity
+        if logits.is_floating_point() and logits.element_size() < 4:
+            logits = logits.float()
+        return original(logits, labels)
+
+    module.logprobs_from_logits_v2 = _mark(logprobs_from_logits_v2)
+
+
+# --- vllm_tp_thread_bind --------------------------------------------------------------------------
+
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_cpu_ranks(ranks: int) -> str | None:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` local vLLM CPU ranks where vLLM's ``auto`` would fail.
+
+    ``auto`` binds one rank per NUMA node; with fewer visible nodes than ranks this process's CPUs are split
+    evenly instead (``0|1`` on 2 cores). A value set by the user is kept. Returns the value set, if any.
+    """
+    if ranks < 2 or os.environ.get(OMP_BIND_ENV, "auto") != "auto":
+        return None
+    cpu_utils = importlib.import_module("vllm.utils.cpu_resource_utils")
+    nodes = require(cpu_utils, "get_visible_memory_node", "vllm_tp_thread_bind")()
+    if len(nodes) >= ranks:
+        return None  # auto's one-rank-per-node binding works here
+    from ...diagnose.runner import omp_bind
+
+    os.environ[OMP_BIND_ENV] = omp_bind(ranks)
+    return os.environ[OMP_BIND_ENV]
+
+
+def vllm_tp_thread_bind(module: ModuleType) -> None:
+    """Before verl's vLLM server starts its engine, bind each local CPU rank to its own CPUs (TP/PP/DP > 1)."""
+    server = require(module, "vLLMHttpServer", "vllm_tp_thread_bind")
+    original = require(server, "launch_server", "vllm_tp_thread_bind")
+    if _patched(original):
+        return
+
+    @functools.wraps(original)
+    async def launch_server(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # gpus_per_node: the replica's ranks on this node (verl's vLLMReplica.launch_servers), vLLM's local world
+        bind_cpu_ranks(int(self.gpus_per_node))
+        return await original(self, *args, **kwargs)
+
+    server.launch_server = _mark(launch_server)
+
+
 def set_process_env() -> None:
     """Select the CPU platform and verl's FSDP engine in this process and every process it starts."""
     os.environ["VERL_PLATFORM"] = "cpu"

@@ -85,6 +85,27 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
         apply=fixes.vllm_weight_reload,
         gates=(VERL, VLLM),
     ),
+    Adaptation(
+        name="fp32_logprobs",
+        reason="without flash-attn (CPU) verl takes log_softmax of bf16 logits in bf16, storing the trainer's "
+        "log-probs in bf16 (~0.004 nats/token against the engine's fp32 ones); upcast as flash-attn's CE does",
+        upstream="verl/utils/torch_functional.py:logprobs_from_logits (line 106) -> logprobs_from_logits_v2 "
+        "(bf16 branch, line 203)",
+        module="verl.utils.torch_functional",
+        apply=fixes.fp32_logprobs,
+        gates=(VERL,),
+    ),
+    Adaptation(
+        name="vllm_tp_thread_bind",
+        reason="vLLM's CPU thread binding 'auto' puts one rank per NUMA node and fails at TP>1 on a machine with "
+        'fewer nodes ("Not enough allowed NUMA nodes"); the server splits its CPUs over the ranks '
+        "(VLLM_CPU_OMP_THREADS_BIND, e.g. 0|1) unless that is set",
+        upstream="vllm/utils/ompmultiprocessing.py:OMPProcessManager._get_autobind_cpu_ids (line 217); "
+        "verl/workers/rollout/vllm_rollout/vllm_async_server.py:vLLMHttpServer.launch_server (line 277)",
+        module="verl.workers.rollout.vllm_rollout.vllm_async_server",
+        apply=fixes.vllm_tp_thread_bind,
+        gates=(VERL, VLLM),
+    ),
 )
 
 
