@@ -94,7 +94,8 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
         where,
         ",".join(state.regions),
         state.profile.name,
-        (" (compiled swiglu/rope)" if state.compiled else "")
+        (f" rollout_tp={state.spec.rollout_tp}" if state.spec.rollout_tp > 1 else "")
+        + (" (compiled swiglu/rope)" if state.compiled else "")
         + (" (triton swiglu/rope)" if state.kernels == "triton" else ""),
     )
     return module
