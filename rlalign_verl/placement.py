@@ -14,6 +14,7 @@ The rules are data (:data:`DEVICE_COUNTERPART`, :data:`ROLLOUT_ENGINES`); :func:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .errors import ProfileMismatchError
@@ -107,3 +108,17 @@ def check_placement(
 ) -> EngineProfile:
     """:func:`profile_for_device` for the device ``module`` runs on in this worker."""
     return profile_for_device(profile, worker_device_type(module), auto=auto, rollout=rollout)
+
+
+def cpu_rank_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` vLLM CPU ranks on this machine: the CPUs this process may use,
+    split evenly (``0|1`` on 2 cores, ``0,1|2,3`` on 4); fewer CPUs than ranks are shared round-robin."""
+    cpus = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    per = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(ranks))

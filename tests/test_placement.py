@@ -70,3 +70,17 @@ def test_worker_device_is_where_the_parameters_live() -> None:
         with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):
             check_placement("vllm", model)
         assert check_placement("vllm", model, auto=True).name == "vllm-cpu"
+
+
+@pytest.mark.parametrize(
+    "cpus, ranks, want",
+    [({0, 1}, 2, "0|1"), ({0, 1, 2, 3}, 2, "0,1|2,3"), ({3}, 2, "3|3"), ({0, 1, 2}, 2, "0|1")],
+)
+def test_cpu_rank_binding_splits_this_process_cpus(monkeypatch, cpus, ranks, want):
+    """vLLM's CPU TP needs each rank bound to its own CPUs (VLLM_CPU_OMP_THREADS_BIND, ranks separated by |)."""
+    import os
+
+    from rlalign_verl.placement import cpu_rank_binding
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
+    assert cpu_rank_binding(ranks) == want

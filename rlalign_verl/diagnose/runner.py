@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineUnavailableError
+from ..placement import cpu_rank_binding
 from .child_process import die_with_parent, failure_reason, import_failed, read_log, stop_child
 from .rollouts import Rollout, RolloutHeader, model_identity, read_rollouts, write_rollouts
 
@@ -309,20 +310,6 @@ def kv_cache_bytes(config: dict[str, Any], max_len: int) -> int:
     return max(KV_CACHE_BYTES, per_token * (max_len + 512))
 
 
-def omp_bind(tp: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU ranks: the CPUs this process may use, split evenly
-    (``0|1`` on 2 cores); fewer CPUs than ranks share them round-robin."""
-    cpus = (
-        sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else list(range(os.cpu_count() or 1))
-    )
-    if len(cpus) < tp:
-        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
-    per = len(cpus) // tp
-    return "|".join(",".join(str(c) for c in cpus[r * per : (r + 1) * per]) for r in range(tp))
-
-
 def _run_job(job: EngineJob) -> None:
     longest = max(len(p) for p in job.prompts)
     cfg_path = Path(job.model_dir) / "config.json"
@@ -333,7 +320,9 @@ def _run_job(job: EngineJob) -> None:
     tp = job.tensor_parallel_size
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:  # one worker process per rank, each bound to its own CPUs (vLLM's CPU TP needs the binding)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind if bind and bind.count("|") == tp - 1 else omp_bind(tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+            bind if bind and bind.count("|") == tp - 1 else cpu_rank_binding(tp)
+        )
     try:
         _generate(job, cfg, max_len, tp)
     finally:  # the next job (another TP size) in this child binds anew

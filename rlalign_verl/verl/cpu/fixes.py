@@ -243,9 +243,9 @@ def bind_cpu_ranks(ranks: int) -> str | None:
     nodes = require(cpu_utils, "get_visible_memory_node", "vllm_tp_thread_bind")()
     if len(nodes) >= ranks:
         return None  # auto's one-rank-per-node binding works here
-    from ...diagnose.runner import omp_bind
+    from ...placement import cpu_rank_binding
 
-    os.environ[OMP_BIND_ENV] = omp_bind(ranks)
+    os.environ[OMP_BIND_ENV] = cpu_rank_binding(ranks)
     return os.environ[OMP_BIND_ENV]
 
 
