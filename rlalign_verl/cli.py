@@ -14,11 +14,13 @@ SUBCOMMANDS = {
 
 
 def _profiles(args: argparse.Namespace) -> int:
+    from .profile_table import tp_cell
     from .profiles import PROFILES
 
     for p in PROFILES.values():
         print(f"{p.name:15s} {p.engine}/{p.device:4s}  {p.summary}")
         print(f"{'':15s} verified: {p.verified}")
+        print(f"{'':15s} rollout TP > 1 (the tp region): {tp_cell(p)}")
     return 0
 
 

@@ -274,3 +274,12 @@ def test_the_gpu_profiles_reduce_as_their_custom_all_reduce(profile):
     ref = _sum_in_order(_partials(x, w, b, 4)).to(BF)
     assert torch.equal(row_parallel_linear(x, w, b, 4, get_profile(profile).tp), ref)
     assert get_profile(profile).tp.max_modelled == 8
+
+
+def test_rlalign_verl_profiles_says_how_each_profile_reduces(capsys):
+    from rlalign_verl.cli import main
+
+    assert main(["profiles"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "rollout TP > 1 (the tp region)" in ln]
+    assert len(lines) == len(PROFILES)
+    assert sum("verified at TP 2" in ln for ln in lines) == 2 and sum("UNVERIFIED" in ln for ln in lines) == 3
