@@ -89,7 +89,9 @@ def tp_cell(p: EngineProfile) -> str:
     acc = "fp32 sum, one rounding" if t.accumulate == "fp32" else "bf16, a rounding per add"
     order = "ranks 0..N-1" if t.order == "rank" else "from each rank's own partial"
     store = {"nearest": "", "truncate": ", stored by truncation",
-             "vllm-cpu-kernel": ", stored by truncation where vLLM's CPU kernels lack AVX512-BF16"}[t.store]  # fmt: skip
+             "vllm-cpu-kernel": ", stored by truncation where vLLM's CPU kernels lack AVX512-BF16",
+             "vllm-cpu-allreduce": ", stored by truncation where vLLM's shm all-reduce runs AVX512 without BF16 "
+                                   "(AVX2: gloo, nearest)"}[t.store]  # fmt: skip
     text = f"{acc} ({order}){store}; TP ≤ {t.max_modelled}"
     if t.fused_norm:
         text += "; fused all-reduce + norm not modelled"

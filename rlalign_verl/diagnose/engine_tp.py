@@ -5,7 +5,8 @@ partial (the bias on rank 0 only); the tp group's all-reduce is ``torch.ops._C.s
 (vllm/distributed/device_communicators/cpu_communicator.py), whose ``all_reduce_sum_impl``
 (csrc/cpu/shm.cpp) widens the local partial to ``FP32Vec16``, adds each other rank's in fp32 and converts
 the sum back with ``BF16Vec16(FP32Vec16)`` once: round to nearest with AVX512-BF16, the low 16 bits dropped
-without (csrc/cpu/cpu_types_x86.hpp). The engine op needs every rank's process, so the floor writes those
+without (csrc/cpu/cpu_types_x86.hpp). The AVX2 build has no shm op: gloo's all_reduce adds in fp32 and rounds to
+nearest (:func:`rlalign_verl.placement.vllm_cpu_allreduce_store`). The engine op needs every rank's process, so the floor writes those
 source facts here (never read from :mod:`rlalign_verl.profiles`), as an op Inductor cannot see into, as the
 engine's all-reduce is opaque to its compiled graph.
 """
@@ -29,9 +30,10 @@ def shm_all_reduce() -> Callable:
         acc = parts[0].float()  # FP32Vec16 local_data_fp32(local_data)
         for p in parts[1:]:
             acc = acc + p.float()  # local_data_fp32 + remote_data_fp32, rank by rank
-        if truncate:  # BF16Vec16(FP32Vec16) without AVX512-BF16: the low 16 bits dropped
+        if truncate:  # BF16Vec16(FP32Vec16) in the AVX512 build without BF16: the low 16 bits dropped
             return (acc.view(torch.int32) & -65536).view(torch.float32).to(parts[0].dtype)
-        return acc.to(parts[0].dtype)  # with AVX512-BF16: _mm512_cvtneps_pbh, round to nearest even
+        # AVX512-BF16: _mm512_cvtneps_pbh; AVX2 (no shm op): gloo's c10::BFloat16 add: round to nearest even
+        return acc.to(parts[0].dtype)
 
     @reduce.register_fake
     def _(parts, truncate):
@@ -48,11 +50,11 @@ class RowParallel:
     """
 
     def __init__(self, tp: int) -> None:
-        from ..placement import vllm_cpu_kernel_store
+        from ..placement import vllm_cpu_allreduce_store
 
         self.tp = tp
         self.reduce = shm_all_reduce() if tp > 1 else None
-        self.truncate = tp > 1 and vllm_cpu_kernel_store() == "truncate"
+        self.truncate = tp > 1 and vllm_cpu_allreduce_store() == "truncate"
 
     def __call__(
         self, linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -46,6 +46,10 @@ def host_store(store: str) -> str:
         from ..placement import vllm_cpu_kernel_store
 
         return vllm_cpu_kernel_store()
+    if store == "vllm-cpu-allreduce":
+        from ..placement import vllm_cpu_allreduce_store
+
+        return vllm_cpu_allreduce_store()
     return store
 
 
