@@ -34,7 +34,7 @@ from .placement import worker_device_type
 from .profiles import DEFAULT_PROFILE, EngineProfile
 from .regions.lm_head import head_forward
 from .regions.residual_stream import Carry, carry_for
-from .regions.tp import row_parallel_forward
+from .regions.tp import check_row_parallel, row_parallel_forward
 from .spec import AlignmentSpec
 from .spec_checks import validate_request
 
@@ -124,6 +124,7 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
 
     regions = spec.regions
     base = _base_model(model, family)
+    row_parallel = _row_parallel_targets(model, family, spec)  # checked before anything is bound
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or "attention" in regions or ("rmsnorm" in regions and family.qk_norm)
     for m in model.modules():
@@ -135,12 +136,8 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
             # unaligned layers get a pass-through: eager under torch.compile like the aligned ones
             bind(m, *((layer_forward, st) if "rmsnorm" in regions else (passthrough_forward,)))
     bind_moe(model, family, st)
-    if "tp" in regions and spec.rollout_tp > 1:  # at TP=1 the engine's projections are the trainer's
-        split = [(family.cls(field), attr) for field, attr in family.row_parallel]
-        for m in model.modules():
-            for cls, attr in split:
-                if isinstance(m, cls):
-                    bind(getattr(m, attr), row_parallel_forward, spec.rollout_tp, profile.tp)
+    for linear in row_parallel:
+        bind(linear, row_parallel_forward, spec.rollout_tp, profile.tp)
     if "rmsnorm" in regions:
         bind(base.norm, final_norm_forward, st, 2 * len(base.layers))
     if "rmsnorm" in regions and carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a carry
@@ -158,6 +155,20 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
     if base is not model:
         base.__dict__[_STATE_ATTR] = st
     return model
+
+
+def _row_parallel_targets(model: nn.Module, family: ModelFamily, spec: AlignmentSpec) -> list[nn.Module]:
+    """The projections the tp region splits (none at rollout TP 1: the engine's are then the trainer's)."""
+    if "tp" not in spec.regions or spec.rollout_tp == 1:
+        return []
+    split = [(family.cls(field), attr) for field, attr in family.row_parallel]
+    targets = []
+    for name, m in model.named_modules():
+        for cls, attr in split:
+            if isinstance(m, cls):
+                check_row_parallel(getattr(m, attr), f"{name}.{attr}")
+                targets.append(getattr(m, attr))
+    return targets
 
 
 def _unpatch_instance(model: nn.Module) -> None:

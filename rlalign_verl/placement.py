@@ -61,9 +61,15 @@ def vllm_cpu_allreduce_store() -> str:
     ``all_reduce``, whose bf16 sum rounds each add to nearest (``c10::BFloat16`` arithmetic). vLLM picks the library
     as here (vllm/platforms/cpu.py ``import_kernels``).
     """
+    import platform
+
     import torch
 
-    vllm_cpu_kernel_store()  # x86_64 only, as the kernel libraries
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ProfileMismatchError(
+            f"vLLM's CPU all-reduce rounding is established on x86_64 only, not {platform.machine()}; drop tp from "
+            "the regions"
+        )
     if torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported():
         return "truncate"
     return "nearest"

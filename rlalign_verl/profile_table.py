@@ -92,7 +92,7 @@ def tp_cell(p: EngineProfile) -> str:
              "vllm-cpu-kernel": ", stored by truncation where vLLM's CPU kernels lack AVX512-BF16",
              "vllm-cpu-allreduce": ", stored by truncation where vLLM's shm all-reduce runs AVX512 without BF16 "
                                    "(AVX2: gloo, nearest)"}[t.store]  # fmt: skip
-    text = f"{acc} ({order}){store}; TP ≤ {t.max_modelled}"
+    text = f"{acc} ({order}){store}; TP {', '.join(map(str, t.sizes))}"
     if t.fused_norm:
         text += "; fused all-reduce + norm not modelled"
     verified = f"verified at TP {', '.join(map(str, t.verified_tp))}" if t.verified_tp else "UNVERIFIED"

@@ -29,8 +29,7 @@ class TpReduction:
     without ``fp32_acc``). ``order``: ``"rank"`` = ranks 0..N-1 on every rank; ``"own-rank-first"`` = each
     rank starts from its own partial and adds the others in rotated order ``r, r+1, ...`` (vLLM's CPU shared
     memory all-reduce): from TP=3 on, ranks then hold different bits, which one trainer forward cannot mirror.
-    ``store``: how the reduced fp32 value is stored in bf16 (one of :data:`TP_STORES`). ``max_modelled``: the largest TP size the data describes (larger sizes are refused in one line, with
-    ``beyond``). ``fused_norm``: ``""`` where the reduced value is stored in bf16 before the residual add +
+    ``store``: how the reduced fp32 value is stored in bf16 (one of :data:`TP_STORES`). ``sizes``: the TP sizes the data describes (others are refused in one line, with ``beyond``). ``fused_norm``: ``""`` where the reduced value is stored in bf16 before the residual add +
     RMSNorm (what the rmsnorm region then mirrors); otherwise one line naming the fused all-reduce + norm this
     profile does not model. ``verified_tp``: TP sizes checked on the real engine; others are unverified.
     """
@@ -38,7 +37,7 @@ class TpReduction:
     accumulate: str
     order: str
     store: str
-    max_modelled: int
+    sizes: tuple[int, ...]
     beyond: str
     fused_norm: str = ""
     verified_tp: tuple[int, ...] = ()
@@ -46,15 +45,19 @@ class TpReduction:
 
     def __post_init__(self) -> None:
         bad = self.accumulate not in ACCUMULATIONS or self.order not in ORDERS
-        if bad or self.store not in TP_STORES or self.max_modelled < 1:
+        if bad or self.store not in TP_STORES or not self.sizes or min(self.sizes) < 2:
             raise ValueError(f"invalid TpReduction {self}")
+        if (
+            self.order == "own-rank-first" and max(self.sizes) > 2
+        ):  # from 3 ranks on each rank holds other bits
+            raise ValueError(f"invalid TpReduction {self}: own-rank-first describes TP <= 2 only")
 
 
 VLLM_CPU_SHM = TpReduction(
     accumulate="fp32",
     order="own-rank-first",
     store="vllm-cpu-allreduce",  # shm: nearest with AVX512-BF16, truncation with AVX512 only; AVX2: gloo, nearest
-    max_modelled=2,
+    sizes=(2,),
     beyond=(
         "vLLM's CPU all-reduce starts each rank's fp32 sum from its own partial (csrc/cpu/shm.cpp "
         "all_reduce_sum_impl, swizzled_ranks = (i + rank) % group_size), so from TP=3 on the ranks hold different "
@@ -77,8 +80,11 @@ VLLM_CUDA_AR = TpReduction(
     accumulate="fp32",
     order="rank",
     store="nearest",
-    max_modelled=8,
-    beyond="vLLM's custom all-reduce runs on world sizes 2, 4, 6 and 8 (custom_all_reduce.py:118)",
+    sizes=(2, 4, 6, 8),
+    beyond=(
+        "vLLM's custom all-reduce runs on world sizes 2, 4, 6 and 8 (custom_all_reduce.py:118); other sizes go to "
+        "NCCL, which rounds after every hop in a runtime-chosen order"
+    ),
     fused_norm=(
         "compiled vLLM at TP>1 on sm90/sm100 with FlashInfer fuses all-reduce + residual add + RMSNorm "
         "(AllReduceFusionPass) for token counts under its size cap, rounding the reduced value before the add "
@@ -100,8 +106,11 @@ SGLANG_CUSTOM_AR = TpReduction(
     accumulate="fp32",
     order="rank",
     store="nearest",
-    max_modelled=8,
-    beyond="SGLang's custom all-reduce runs up to 8 ranks per node",
+    sizes=(2, 4, 6, 8),
+    beyond=(
+        "SGLang's custom all-reduce is modelled at 2, 4, 6 and 8 ranks (vLLM's sizes, assumed for SGLang: "
+        "unverified); other sizes go to NCCL, which rounds after every hop"
+    ),
     fused_norm=(
         "SGLang auto-enables FlashInfer all-reduce + RMSNorm fusion for some MoE architectures on sm90/sm100 "
         "(arg_groups/overrides.py:929-1003); this profile does not model that fusion"

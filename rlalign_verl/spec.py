@@ -107,6 +107,21 @@ _DOCTOR_KEYS = tuple(f.name for f in fields(DoctorSpec))
 TOP_KEYS = ("regions", "engine", "metrics", "verify", "doctor", "experimental")
 """Keys a user writes at the top of the ``alignment`` group (the driver adds :data:`RESOLVED_KEYS`)."""
 RESOLVED_KEYS = ("engine_auto", "rollout", "rollout_tp")
+_RESOLVED_FROM = {"engine_auto": "engine=auto", "rollout": "the rollout engine's name",
+                  "rollout_tp": "the rollout's tensor-parallel size (verl: actor_rollout_ref.rollout."
+                                "tensor_model_parallel_size; OpenRLHF: --vllm.tensor_parallel_size)"}  # fmt: skip
+
+
+def refuse_resolved_keys(data: Mapping, spelling: str) -> None:
+    """A user's ``alignment`` settings never hold :data:`RESOLVED_KEYS`: the driver sets them (a value given by hand
+    would be overwritten or trusted unchecked), so one is refused in one line naming where it comes from."""
+    for key in RESOLVED_KEYS:
+        if key in data:
+            raise ConfigFormatError(
+                f"{key_name(key, spelling)} is set by the driver from {_RESOLVED_FROM[key]}; remove it"
+            )
+
+
 MOVED = {k: f"experimental.{k}" for k in _EXPERIMENTAL_KEYS}
 """Old top-level spellings -> their key now (a one-line error names it; nothing is silently ignored)."""
 

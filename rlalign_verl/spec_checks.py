@@ -317,11 +317,16 @@ def check_tp(profile: EngineProfile, tp: int) -> None:
             f"the tp region mirrors a rollout engine's tensor-parallel all-reduce, and profile {profile.name} runs no "
             f"tensor parallelism; choose the rollout engine's profile (rlalign-verl profiles) or drop tp"
         )
-    if tp > profile.tp.max_modelled:
+    if tp not in profile.tp.sizes:
+        sizes = ", ".join(map(str, profile.tp.sizes))
         raise AlignmentError(
             f"rollout tensor parallel {tp} with the tp region on profile {profile.name}: {profile.tp.beyond}; "
-            f"drop tp from the regions or roll out at tensor parallel <= {profile.tp.max_modelled}"
+            f"drop tp from the regions or roll out at tensor parallel {sizes}"
         )
+    if profile.tp.store == "vllm-cpu-allreduce":
+        from .placement import vllm_cpu_allreduce_store
+
+        vllm_cpu_allreduce_store()  # a host whose all-reduce rounding is not established is refused here
 
 
 def check_tp_model(model_type: str, config: Any, tp: int, moe: bool) -> None:

@@ -197,7 +197,12 @@ LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm", "tp")
 
 def ladder_rungs(spec) -> list[str]:
     """The rungs to recompute for ``spec``: none, and each aligned region alone when more than one is aligned."""
-    return [r for r in LADDER_RUNGS if r == "none" or (r in spec.regions and len(spec.regions) > 1)]
+    tp_off = spec.rollout_tp == 1  # tp alone at TP 1 would be a second `none` pass
+    return [
+        r
+        for r in LADDER_RUNGS
+        if r == "none" or (r in spec.regions and len(spec.regions) > 1 and not (r == "tp" and tp_off))
+    ]
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -65,7 +65,8 @@ CASES = {
     ),
     "threads 100000": (["--threads", "100000"], ["--threads must be an integer from 1 to", "100000"]),
     "tp 0": (["--tp", "0"], ["--tp must be an integer >= 1", "0"]),
-    "tp 3 on 4 heads": (["--tp", "3"], ["--tp 3", "num_attention_heads=4", "divide"]),
+    "tp 3 on 4 heads": (["--tp", "3"], ["--tp 3", "num_attention_heads=4", "divides it"]),
+    "tp 4 on vllm-cpu": (["--tp", "4"], ["--tp 4", "profile vllm-cpu models tensor parallel 2", "shm.cpp"]),
     "rollouts 1e6": (["--num-prompts", "1000", "--seeds", "1000"], ["1000000 rollouts, more than 100000"]),
 }
 

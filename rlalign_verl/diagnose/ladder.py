@@ -285,9 +285,10 @@ def format_ladder(ladder: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def check_settings(settings: list, profile: Any) -> None:
-    """Refuse (one line, before the engine starts) a ``--settings`` entry the profile cannot run."""
+def check_settings(settings: list, profile: Any, tp: int = 1) -> None:
+    """Refuse (one line, before anything is recomputed) a ``--settings`` entry the profile cannot run at the
+    rollout's tensor-parallel size ``tp``."""
     from ..spec import AlignmentSpec
 
     for _, regions in settings:
-        validate_request(AlignmentSpec.parse(regions=regions, engine=profile.name))
+        validate_request(AlignmentSpec.parse(regions=regions, engine=profile.name, rollout_tp=tp))

@@ -63,6 +63,7 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     check_model_identity(dump, header_only, model_dir)
     header, rollouts = read_rollouts(dump, **model_limits(config))
     profile = profile_for_dump(opts.engine, header, dump)
+    check_tp(config, model_dir, header.tensor_parallel_size, where=f"{dump}: header tensor_parallel_size")
     return Sample(model_dir, config, profile, header, rollouts, "dump", dump, logprob_temperature(header))
 
 
@@ -82,7 +83,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
         with stage(f"build tiny {opts.tiny or 'qwen2'} model"):
             model_dir = build_tiny_checkpoint(opts.tiny or "qwen2")
     config, tok = check_model(model_dir)
-    check_tp(config, model_dir, opts.tp)
+    check_tp(config, model_dir, opts.tp, profile)
     timing["model_build_s"] = time.time() - t
     prompts = tiny_prompts(tok, opts.num_prompts, seed=opts.seed)
     check_context(config, model_dir, prompts, opts.max_tokens)
@@ -109,15 +110,32 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
     return Sample(model_dir, config, profile, header, rollouts, "engine", dump, logprob_temperature(header))
 
 
-def check_tp(config: Any, model_dir: Path, tp: int) -> None:
-    """Refuse (before the engine starts) a ``--tp`` the engine cannot split the model by."""
+def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: str = "--tp") -> None:
+    """Refuse, before the engine starts (or the dump is recomputed), a TP size this diagnosis cannot mirror: one that
+    does not split the model, MoE models at TP > 1, and (running the engine here) a size the profile does not model."""
+    if tp == 1:
+        return
     for attr in ("num_attention_heads", "intermediate_size"):
         size = getattr(config, attr, None)
-        if tp > 1 and isinstance(size, int) and size % tp:
+        if isinstance(size, int) and size % tp:
             raise AlignmentError(
-                f"--tp {tp}: the model's {attr}={size} ({model_dir}) is not divisible by it, so vLLM cannot "
-                f"split it over {tp} ranks; use a --tp that divides it"
+                f"{where} {tp}: the model's {attr}={size} ({model_dir}) is not divisible by it, so vLLM cannot "
+                f"split it over {tp} ranks; use a TP size that divides it"
             )
+    from ..families import get_family
+
+    if get_family(config.model_type).experts is not None:
+        raise AlignmentError(
+            f"{where} {tp}: {config.model_type} is an MoE model, whose experts' tensor-parallel layout the settings, "
+            "the ladder and the floor do not model yet; diagnose it at tensor parallel 1"
+        )
+    data = getattr(profile, "tp", None)
+    if profile is not None and (data is None or tp not in data.sizes):
+        sizes = ", ".join(map(str, data.sizes)) if data else "none"
+        raise AlignmentError(
+            f"{where} {tp}: profile {profile.name} models tensor parallel {sizes} "
+            f"({data.beyond if data else 'no all-reduce'}); use one of those sizes"
+        )
 
 
 def check_context(config: Any, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
@@ -244,11 +262,9 @@ def floor(
             f"floor skipped: the rollouts come from {p.name} ({p.engine} on {p.device}); "
             "the floor needs that engine's ops on this machine"
         )
-    if s.tp > 1 and any(hasattr(layer.mlp, "experts") for layer in hf.model.layers):
-        return None, (
-            f"floor skipped: the rollouts ran at tensor parallel {s.tp}, and the floor models the experts' "
-            "TP layout of MoE models not yet"
-        )
+    if s.tp > 1 and (p.tp is None or s.tp not in p.tp.sizes):
+        why = p.tp.beyond if p.tp else "no all-reduce data"
+        return None, f"floor skipped: profile {p.name} does not model tensor parallel {s.tp} ({why})"
     from .engine_ops import EngineFloor
 
     compiled = not p.name.endswith("-eager")

@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from ..options import parse_bool
 from ..profiles import get_profile
-from ..spec import AlignmentSpec
+from ..spec import AlignmentSpec, refuse_resolved_keys
 from ..spec_checks import validate_request
 from .flags import check_spellings, spellings
 from .moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
@@ -284,6 +284,7 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     collect = parse_bool(
         values.pop("collect_rollout_logprobs", False), name="--alignment.collect_rollout_logprobs"
     )
+    refuse_resolved_keys(values, "flag")
     spec = AlignmentSpec.parse(values, spelling="flag")
     check_spellings(rest)
     profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))

@@ -99,12 +99,11 @@ def _check_confounders(options: LaunchOptions) -> None:
 
     collect = options.settings.collect_rollout_logprobs
     lines = check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow)
-    lines += [rollout_tp_line(spec.rollout_tp, spec.regions, "--alignment.regions")]
+    tp_lines = [rollout_tp_line(spec.rollout_tp, spec.regions, "--alignment.regions")]
     if spec.regions:
-        lines += [tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions)]
-    for line in lines:
-        if line:
-            logger.warning("doctor: %s", line)
+        tp_lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
+    for line in lines + [t for t in tp_lines if t]:
+        logger.warning("doctor: %s", line)
 
 
 def _print_help() -> None:

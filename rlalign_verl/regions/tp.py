@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ComputeDtypeError, UnsupportedModelError
 from ..profiles_tp import TpReduction
-from ._precision import store_as
+from ._precision import host_store, store_as
 
 
 class _RowParallelFn(torch.autograd.Function):
@@ -28,7 +29,7 @@ class _RowParallelFn(torch.autograd.Function):
     ``tp`` zero-filled full-size buffers instead."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp, reduction):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, tp, reduction, store):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         with torch.no_grad():
@@ -40,16 +41,21 @@ class _RowParallelFn(torch.autograd.Function):
                 )
                 for r in range(tp)
             ]
+            if (
+                parts[0].dtype is not torch.bfloat16
+            ):  # the engine's partials are bf16: nothing to mirror otherwise
+                raise ComputeDtypeError(
+                    f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
+                    "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
+                )
             if reduction.accumulate == "fp32":
                 acc = parts[0].float()
                 for p in parts[1:]:
                     acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
-                return store_as(acc, reduction.store, parts[0].dtype)  # and stores the sum once
+                return store_as(acc, store, parts[0].dtype)  # and stores the sum once
             out = parts[0]
             for p in parts[1:]:
-                out = store_as(
-                    out.float() + p.float(), reduction.store, out.dtype
-                )  # bf16 per hop: a rounding per add
+                out = store_as(out.float() + p.float(), store, out.dtype)  # bf16 per hop: a rounding per add
             return out
 
     @staticmethod
@@ -62,7 +68,7 @@ class _RowParallelFn(torch.autograd.Function):
             gw = g.reshape(-1, g.shape[-1]).t() @ x.to(dtype).reshape(-1, x.shape[-1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.reshape(-1, g.shape[-1]).sum(0)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def row_parallel_linear(
@@ -71,13 +77,28 @@ def row_parallel_linear(
     """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it."""
     if tp == 1:
         return F.linear(x, weight, bias)
-    return _RowParallelFn.apply(x, weight, bias, tp, reduction)
+    return _RowParallelFn.apply(x, weight, bias, tp, reduction, host_store(reduction.store))
 
 
 def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
     """The forward bound on a row-parallel ``nn.Linear`` (:func:`rlalign_verl.binding.bind`)."""
 
+    store = host_store(reduction.store)  # this host's store, settled once when the forward is built
+
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel_linear(x, self.weight, self.bias, tp, reduction)
+        if tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        return _RowParallelFn.apply(x, self.weight, self.bias, tp, reduction, store)
 
     return forward
+
+
+def check_row_parallel(module: nn.Module, where: str) -> None:
+    """The tp region replaces a plain ``nn.Linear``'s forward; a wrapper (a PEFT LoRA layer, a quantized linear)
+    computes more than ``weight``/``bias``, which the split would silently drop: refused in one line."""
+    if type(module) is not nn.Linear:
+        raise UnsupportedModelError(
+            f"the tp region splits {where} as a plain nn.Linear, but it is a {type(module).__module__}."
+            f"{type(module).__name__} (LoRA adapters or a quantized layer are not modelled under tensor parallelism); "
+            "merge the adapters into the weights, or drop tp from the regions"
+        )

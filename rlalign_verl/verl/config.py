@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import AlignmentError, ProfileMismatchError
 from ..options import option_bool
-from ..spec import AlignmentSpec
+from ..spec import AlignmentSpec, refuse_resolved_keys
 from ..spec_checks import validate_request
 from .cfg import select
 from .checks import check_alignment_node, local_config_json, read_config_json
@@ -26,7 +26,8 @@ TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
 def rollout_tp_of(config: Any) -> int:
-    """The rollout's tensor-parallel size (verl's default 1); a value that is no integer >= 1 is refused."""
+    """The rollout's tensor-parallel size (verl's composed config always carries it: 2 in verl 0.9.1's rollout
+    defaults; 1 when absent); a value that is no integer >= 1 is refused."""
     value = select(config, TP_KEY, 1)
     value = 1 if value is None else value
     if isinstance(value, bool) or not str(value).strip().isdigit() or int(str(value).strip()) < 1:
@@ -99,7 +100,10 @@ def read_spec(config: Any) -> AlignmentSpec | None:
     """The ``alignment`` node parsed (unresolved), or ``None`` for a plain verl run without our group."""
     node = select(config, "alignment")
     check_alignment_node(node)
-    return None if node is None else AlignmentSpec.parse(node, spelling="hydra")
+    if node is None:
+        return None
+    refuse_resolved_keys(node, "hydra")
+    return AlignmentSpec.parse(node, spelling="hydra")
 
 
 def resolve_spec(
@@ -129,6 +133,17 @@ def would_use_profile(config: Any, *, on_cuda: bool | None = None) -> str:
         return resolve_spec(config, spec, on_cuda=on_cuda)[0].engine
     except AlignmentError as err:
         return f"auto (unresolved: {err})"
+
+
+def model_config_of(config: Any) -> Any:
+    """The actor checkpoint's ``config.json`` as attributes (a local checkpoint; ``None`` for a hub id)."""
+    from types import SimpleNamespace
+
+    path = select(config, "actor_rollout_ref.model.hf_config_path") or select(
+        config, "actor_rollout_ref.model.path"
+    )
+    cfg_file = local_config_json(path) if path else None
+    return SimpleNamespace(**read_config_json(cfg_file)) if cfg_file else None
 
 
 def model_type_of(config: Any) -> str | None:
@@ -271,6 +286,9 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         validate_request(
             spec,
             model_type=model_type_of(config),
+            model_config=model_config_of(
+                config
+            ),  # the checks that read the architecture run here, before Ray
             rollout=spec.rollout,
             # where the workers run, when the config or the driver says so: a profile built for the other device
             # is refused here, not after Ray starts (a CPU driver of a GPU cluster leaves it open)

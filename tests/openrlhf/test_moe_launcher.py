@@ -190,3 +190,21 @@ def test_the_rollout_tp_size_comes_from_openrlhfs_flag(tmp_path, monkeypatch):
     opts = parse_launcher_args(["--alignment.regions", "all,tp", *model, "--vllm.tensor_parallel_size", "2"])
     assert opts.settings.spec.rollout_tp == 2 and "tp" in opts.settings.spec.regions
     assert parse_launcher_args(["--alignment.regions", "rope", *model]).settings.spec.rollout_tp == 1
+
+
+def test_a_hand_set_rollout_tp_flag_is_refused(tmp_path, monkeypatch):
+    from rlalign_verl.errors import ConfigFormatError
+
+    monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
+    argv = [
+        "--alignment.regions",
+        "tp",
+        "--alignment.rollout_tp",
+        "2",
+        "--actor.model_name_or_path",
+        _model(tmp_path, "qwen2"),
+    ]
+    with pytest.raises(
+        ConfigFormatError, match="--alignment.rollout_tp is set by the driver .*--vllm.tensor_parallel_size"
+    ):
+        parse_launcher_args(argv)
