@@ -41,9 +41,8 @@ class _RowParallelFn(torch.autograd.Function):
                 )
                 for r in range(tp)
             ]
-            if (
-                parts[0].dtype is not torch.bfloat16
-            ):  # the engine's partials are bf16: nothing to mirror otherwise
+            # the engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror
+            if parts[0].dtype is not torch.bfloat16:
                 raise ComputeDtypeError(
                     f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
                     "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
