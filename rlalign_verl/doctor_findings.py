@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .errors import AlignmentError
 
@@ -53,6 +54,15 @@ def tp_unmodelled_line(profile: object, tp: int, regions: tuple[str, ...]) -> st
         return None
     verified = "" if tp in data.verified_tp else f"; the tp data is UNVERIFIED at TP={tp} (read from source)"
     return f"profile {getattr(profile, 'name', profile)}: {data.fused_norm}{verified}"
+
+
+def tp_lines(spec: Any, regions_key: str = "alignment.regions") -> list[str]:
+    """The start-up lines on the rollout's tensor parallelism for a resolved request (verl driver, OpenRLHF
+    launcher): :func:`rollout_tp_line` and :func:`tp_unmodelled_line`, those that apply."""
+    lines = [rollout_tp_line(spec.rollout_tp, spec.regions, regions_key)]
+    if spec.regions:
+        lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
+    return [line for line in lines if line]
 
 
 class DoctorConfigError(AlignmentError):

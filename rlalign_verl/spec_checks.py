@@ -336,14 +336,22 @@ def check_tp_model(model_type: str, config: Any, tp: int, moe: bool) -> None:
             f"the tp region models dense o_proj/down_proj; {model_type}'s experts under the engine's TP/EP layout "
             "are not modelled yet: drop tp from the regions for this model"
         )
+    split = unsplittable(config, tp)
+    if split:
+        raise UnsupportedModelError(
+            f"{model_type}: {split} is not divisible by the rollout tensor parallel size {tp}, so the engine cannot "
+            "split it (and the tp region cannot mirror the split); check the rollout's tensor_model_parallel_size"
+        )
+
+
+def unsplittable(config: Any, tp: int) -> str | None:
+    """``"attr=size"`` of the first dimension a TP engine splits evenly (attention heads, MLP width) that ``tp``
+    does not divide; ``None`` when every one divides (or the config does not say)."""
     for attr in ("num_attention_heads", "intermediate_size"):
         size = getattr(config, attr, None) if config is not None else None
         if isinstance(size, int) and size % tp:
-            raise UnsupportedModelError(
-                f"{model_type}: {attr}={size} is not divisible by the rollout tensor parallel size {tp}, so the "
-                "engine cannot split it (and the tp region cannot mirror the split); check the rollout's "
-                "tensor_model_parallel_size"
-            )
+            return f"{attr}={size}"
+    return None
 
 
 def _check_dense(spec: AlignmentSpec, model_type: str) -> None:

@@ -115,14 +115,15 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
     does not split the model, MoE models at TP > 1, and (running the engine here) a size the profile does not model."""
     if tp == 1:
         return
-    for attr in ("num_attention_heads", "intermediate_size"):
-        size = getattr(config, attr, None)
-        if isinstance(size, int) and size % tp:
-            raise AlignmentError(
-                f"{where} {tp}: the model's {attr}={size} ({model_dir}) is not divisible by it, so vLLM cannot "
-                f"split it over {tp} ranks; use a TP size that divides it"
-            )
     from ..families import get_family
+    from ..spec_checks import unsplittable
+
+    split = unsplittable(config, tp)
+    if split:
+        raise AlignmentError(
+            f"{where} {tp}: the model's {split} ({model_dir}) is not divisible by it, so vLLM cannot split it over "
+            f"{tp} ranks; use a TP size that divides it"
+        )
 
     if get_family(config.model_type).experts is not None:
         raise AlignmentError(

@@ -94,15 +94,12 @@ def _check_confounders(options: LaunchOptions) -> None:
     spec = options.settings.spec
     if not spec.doctor.enable:
         return
-    from ..doctor_findings import rollout_tp_line, tp_unmodelled_line
+    from ..doctor_findings import tp_lines
     from .doctor_flags import check
 
     collect = options.settings.collect_rollout_logprobs
     lines = check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow)
-    tp_lines = [rollout_tp_line(spec.rollout_tp, spec.regions, "--alignment.regions")]
-    if spec.regions:
-        tp_lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
-    for line in lines + [t for t in tp_lines if t]:
+    for line in lines + tp_lines(spec, "--alignment.regions"):
         logger.warning("doctor: %s", line)
 
 

@@ -71,12 +71,18 @@ class _RowParallelFn(torch.autograd.Function):
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, reduction: TpReduction
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tp: int,
+    reduction: TpReduction,
+    store: str | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it."""
+    """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it; ``store``: the
+    reduction's store already resolved for this host (:func:`._precision.host_store`), else resolved here."""
     if tp == 1:
         return F.linear(x, weight, bias)
-    return _RowParallelFn.apply(x, weight, bias, tp, reduction, host_store(reduction.store))
+    return _RowParallelFn.apply(x, weight, bias, tp, reduction, store or host_store(reduction.store))
 
 
 def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
@@ -85,9 +91,7 @@ def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
     store = host_store(reduction.store)  # this host's store, settled once when the forward is built
 
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        return _RowParallelFn.apply(x, self.weight, self.bias, tp, reduction, store)
+        return row_parallel_linear(x, self.weight, self.bias, tp, reduction, store)
 
     return forward
 

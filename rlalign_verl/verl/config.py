@@ -135,22 +135,26 @@ def would_use_profile(config: Any, *, on_cuda: bool | None = None) -> str:
         return f"auto (unresolved: {err})"
 
 
+def _actor_config_path(config: Any) -> Any:
+    """Where the driver reads the actor's HF config: ``hf_config_path``, else the checkpoint ``path``."""
+    return select(config, "actor_rollout_ref.model.hf_config_path") or select(
+        config, "actor_rollout_ref.model.path"
+    )
+
+
 def model_config_of(config: Any) -> Any:
     """The actor checkpoint's ``config.json`` as attributes (a local checkpoint; ``None`` for a hub id)."""
     from types import SimpleNamespace
 
-    path = select(config, "actor_rollout_ref.model.hf_config_path") or select(
-        config, "actor_rollout_ref.model.path"
-    )
+    path = _actor_config_path(config)
     cfg_file = local_config_json(path) if path else None
     return SimpleNamespace(**read_config_json(cfg_file)) if cfg_file else None
 
 
-def model_type_of(config: Any) -> str | None:
-    """``model_type`` of the actor's HF config (config.json read directly; AutoConfig for hub ids)."""
-    path = select(config, "actor_rollout_ref.model.hf_config_path") or select(
-        config, "actor_rollout_ref.model.path"
-    )
+def model_type_of(config: Any, local: Any = None) -> str | None:
+    """``model_type`` of the actor's HF config (config.json read directly; AutoConfig for hub ids). ``local``: that
+    config.json already read (:func:`model_config_of`), so it is not read again."""
+    path = _actor_config_path(config)
     if not path:
         raise AlignmentError(
             "actor_rollout_ref.model.path is not set: set it to the checkpoint (folder or hub id) the actor loads"
@@ -166,7 +170,7 @@ def model_type_of(config: Any) -> str | None:
             "actor_rollout_ref.model.hf_config_path to a copy of its config.json the driver can read)"
         )
     if cfg_file is not None:
-        model_type = read_config_json(cfg_file).get("model_type")
+        model_type = (vars(local) if local is not None else read_config_json(cfg_file)).get("model_type")
         return None if model_type is None else str(model_type)
     name = "actor_rollout_ref.model.trust_remote_code"
     trust = option_bool(select(config, name), name=name, default=False)
@@ -283,12 +287,11 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         spec, reason = resolve_spec(config, spec, on_cuda=on_cuda and device != "cpu")
         _check_verl_run(config)
         liger_key = "actor_rollout_ref.model.use_liger"
+        local = model_config_of(config)  # the checks that read the architecture run here, before Ray
         validate_request(
             spec,
-            model_type=model_type_of(config),
-            model_config=model_config_of(
-                config
-            ),  # the checks that read the architecture run here, before Ray
+            model_type=model_type_of(config, local),
+            model_config=local,
             rollout=spec.rollout,
             # where the workers run, when the config or the driver says so: a profile built for the other device
             # is refused here, not after Ray starts (a CPU driver of a GPU cluster leaves it open)
@@ -306,13 +309,10 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
     reconcile_head_dtype(config, spec)
     check_metrics_config(config, spec)
     if spec.doctor.enable:  # confounders that make the gap something other than rounding; errors stop here
-        from ..doctor_findings import rollout_tp_line, tp_unmodelled_line
+        from ..doctor_findings import tp_lines
         from .doctor_config import check as doctor_check
 
-        tp_lines = [rollout_tp_line(spec.rollout_tp, spec.regions)]
-        if spec.regions:
-            tp_lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
-        for line in doctor_check(config, allow=spec.doctor.allow) + [t for t in tp_lines if t]:
+        for line in doctor_check(config, allow=spec.doctor.allow) + tp_lines(spec):
             logger.warning("doctor: %s", line)
     write_worker_spec(config, spec)
     if spec.regions:
