@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlalign_verl.diagnose import tiny
-from rlalign_verl.diagnose.tiny import TinySpec, _write_checkpoint
+from rlalign_verl.tools.diagnose import tiny
+from rlalign_verl.tools.diagnose.tiny import TinySpec, _write_checkpoint
 
 SPECS = {
     "qwen2": TinySpec("qwen2", 192, 384, 3, 3, 1, 64, rope_theta=1_000_000.0),

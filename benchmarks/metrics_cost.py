@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlalign_verl.metrics import compute_mismatch_metrics
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
 
 
 def make_batch(batch: int, length: int, dtype: torch.dtype, device: str, seed: int = 0):

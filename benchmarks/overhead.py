@@ -4,7 +4,7 @@ Run: ``python benchmarks/overhead.py [--quick] [--json overhead.json] [--repeat 
 
 Models are built locally from a ``Qwen2Config`` (random init, nothing downloaded). For every setting
 (model size x parameter dtype x input layout x mode) the *same* model instance is switched between
-variants with :func:`rlalign_verl.patch.apply_alignment` / :func:`~rlalign_verl.patch.remove_alignment`,
+variants with :func:`rlalign_verl.align.patch.apply_alignment` / :func:`~rlalign_verl.align.patch.remove_alignment`,
 and the variants are timed **interleaved** (one step of each variant per round, the order rotated
 every round, warm-up rounds first); the reported time is the median over the rounds.
 

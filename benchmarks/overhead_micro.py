@@ -24,10 +24,10 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
     import torch.nn.functional as F
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-    from rlalign_verl.profiles import get_profile
-    from rlalign_verl.regions.rmsnorm import add_rms_norm
-    from rlalign_verl.regions.rope import apply_rope, rope_table
-    from rlalign_verl.regions.swiglu import swiglu
+    from rlalign_verl.align.regions.rmsnorm import add_rms_norm
+    from rlalign_verl.align.regions.rope import apply_rope, rope_table
+    from rlalign_verl.align.regions.swiglu import swiglu
+    from rlalign_verl.catalog.profiles import get_profile
 
     p = get_profile(profile)
     bf = torch.bfloat16
@@ -82,7 +82,7 @@ def micro_cases(profile: str, tokens: int, hidden: int, inter: int, compiled: bo
 def _add_compiled_cases(cases: dict[str, dict], p, fwd_bwd: Callable, swiglu_in: tuple, norm_in: tuple,
                         rope_in: tuple) -> None:  # fmt: skip
     """The torch.compile variant of each region, and ``cnorm`` (the forward compiled as the engine compiles it)."""
-    from rlalign_verl.regions.compiled import compiled_regions
+    from rlalign_verl.align.regions.compiled import compiled_regions
 
     c = compiled_regions(p, exact=False)
     q, k, tcos, tsin = rope_in
@@ -92,7 +92,7 @@ def _add_compiled_cases(cases: dict[str, dict], p, fwd_bwd: Callable, swiglu_in:
     )
     cases["rope"]["compiled"] = fwd_bwd(lambda a, b: c.apply_rope(a, b, tcos, tsin), q, k)
     if p.norm_inductor:  # compiled_norm: the forward compiled as the engine compiles it (inductor_norm)
-        from rlalign_verl.regions.inductor_norm import inductor_norms
+        from rlalign_verl.align.regions.inductor_norm import inductor_norms
 
         c_add = inductor_norms(p)[1]
         cases["add+rmsnorm"]["cnorm"] = fwd_bwd(
@@ -104,9 +104,9 @@ def _opt_in_cases(p, tokens: int, hidden: int, leaf: Callable, fwd_bwd: Callable
     """attention (vLLM CPU profiles: engine op / fp32 SDPA vs HF's bf16 SDPA) and lm_head (fp32 head vs bf16)."""
     import torch.nn.functional as F
 
-    from rlalign_verl.engine_ops.attention_op import engine_attention, engine_op_available
-    from rlalign_verl.regions.attention import aligned_attention
-    from rlalign_verl.regions.lm_head import Fp32HeadFn
+    from rlalign_verl.align.engine_ops.attention_op import engine_attention, engine_op_available
+    from rlalign_verl.align.regions.attention import aligned_attention
+    from rlalign_verl.align.regions.lm_head import Fp32HeadFn
 
     vocab = 32 * hidden
     hh, wh = leaf(tokens, hidden), leaf(vocab, hidden, scale=0.05)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
 
 MODES = ("train", "train-gc", "logprob")
 DTYPES = ("bf16", "fp32+autocast")
@@ -51,7 +51,7 @@ def variants_for(profiles: list[str], per_region: list[str]) -> list[Variant]:
 
 def build_model(size: Size, param_dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
     """A Qwen2-style causal LM of ``size`` with the tiny checkpoints' seeded weights (norm weights around 1)."""
-    from rlalign_verl.diagnose.tiny import TinySpec, tiny_model
+    from rlalign_verl.tools.diagnose.tiny import TinySpec, tiny_model
 
     spec = TinySpec("qwen2", size.hidden, size.intermediate, size.layers, size.heads, size.kv_heads,
                     size.hidden // size.heads, rope_theta=1_000_000.0, max_position_embeddings=max(4096, size.seq),

@@ -11,7 +11,7 @@ import torch
 from overhead_model import Size, Variant, forward_only, make_inputs, set_mode, set_variant, step_fn
 from peak_memory import param_bytes, peak_memory, sync
 
-from rlalign_verl.patch import remove_alignment
+from rlalign_verl.align.patch import remove_alignment
 
 
 @dataclass

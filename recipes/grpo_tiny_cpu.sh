@@ -61,7 +61,7 @@ export RLALIGN_VERL_CPU=1
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_NO_USAGE_STATS=1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 RAY_USAGE_STATS_ENABLED=0
 
-inputs=$("${PYTHON}" -m rlalign_verl.verl.tiny_grpo "${OUT}/data" --num-prompts $((BATCH * STEPS)) | tail -n 1)
+inputs=$("${PYTHON}" -m rlalign_verl.tools.tiny_grpo "${OUT}/data" --num-prompts $((BATCH * STEPS)) | tail -n 1)
 field() { "${PYTHON}" -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "${inputs}" "$1"; }
 MODEL=$(field model)
 REWARD=$(field reward)

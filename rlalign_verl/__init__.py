@@ -11,18 +11,18 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AlignmentSpec": "rlalign_verl.spec",
-    "apply_alignment": "rlalign_verl.patch",
-    "remove_alignment": "rlalign_verl.patch",
-    "aligned": "rlalign_verl.patch",
-    "get_alignment": "rlalign_verl.patch",
-    "AlignmentState": "rlalign_verl.patch",
-    "get_profile": "rlalign_verl.profiles",
-    "PROFILES": "rlalign_verl.profiles",
-    "EngineProfile": "rlalign_verl.profiles",
-    "REGIONS": "rlalign_verl.regions",
-    "normalize_regions": "rlalign_verl.regions",
-    "SUPPORTED_MODEL_TYPES": "rlalign_verl.families",
+    "AlignmentSpec": "rlalign_verl.request.spec",
+    "apply_alignment": "rlalign_verl.align.patch",
+    "remove_alignment": "rlalign_verl.align.patch",
+    "aligned": "rlalign_verl.align.patch",
+    "get_alignment": "rlalign_verl.align.patch",
+    "AlignmentState": "rlalign_verl.align.patch",
+    "get_profile": "rlalign_verl.catalog.profiles",
+    "PROFILES": "rlalign_verl.catalog.profiles",
+    "EngineProfile": "rlalign_verl.catalog.profiles",
+    "REGIONS": "rlalign_verl.align.regions",
+    "normalize_regions": "rlalign_verl.align.regions",
+    "SUPPORTED_MODEL_TYPES": "rlalign_verl.catalog.families",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,3 +1,3 @@
-from rlalign_verl.cli import main
+from rlalign_verl.tools.cli import main
 
 raise SystemExit(main())

@@ -15,10 +15,10 @@ from typing import Any
 import hydra
 import verl  # noqa: F401 - as in verl's own entry point: loads verl's plugins and VERL_USE_EXTERNAL_MODULES first
 
-from .errors import AlignmentError
-from .verl.checks import check_override_spellings
-from .verl.config import validate_config
-from .verl.one_line import one_line_errors
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.verl.checks import check_override_spellings
+from rlalign_verl.verl.config import validate_config
+from rlalign_verl.verl.exit_line import one_line_errors
 
 
 @hydra.main(config_path="pkg://rlalign_verl.configs", config_name="rlalign_ppo_trainer", version_base=None)
@@ -53,7 +53,7 @@ def alignment_error_from_ray() -> Iterator[None]:
 if __name__ == "__main__":
     import sys
 
-    from .errors import exit_on_error
+    from rlalign_verl.base.errors import exit_on_error
 
     with exit_on_error(2):  # a moved key would otherwise be Hydra's "not in struct" error
         check_override_spellings(sys.argv[1:])

@@ -4,7 +4,7 @@
 The GPU machine this project can be lent has no vLLM, SGLang or FlashInfer and no network, and a call
 carries at most 64 MiB. So on the CPU machine this script fetches from PyPI the source distribution of
 exactly the vLLM version the CUDA profiles claim (:data:`VLLM_VERSION`, tested against
-``rlalign_verl/profiles.py``) and of the FlashInfer release SGLang's kernels are built on, checks each
+``rlalign_verl/catalog/profiles.py``) and of the FlashInfer release SGLang's kernels are built on, checks each
 sdist's sha256 against the one PyPI's JSON API gives, and copies out only what the device check needs:
 
 * vLLM: the ``#include`` closure (computed, not listed) of the CUDA kernels of ``rms_norm``,

@@ -7,7 +7,7 @@ step and the MoE router rows, with vLLM's ops from the bundle (:mod:`gpu_bundle_
   HF's GEMMs, embedding, attention and lm_head stay HF's.
 * :func:`run_bundle_e2e`: the floor samples from a tiny local model; HF recomputes the sampled tokens
   unaligned, per region and with all regions aligned to the profile; the floor recomputes them too. Rows
-  and misses are :mod:`rlalign_verl.diagnose.e2e_check`'s (95% bootstrap intervals over prompts).
+  and misses are :mod:`rlalign_verl.tools.diagnose.e2e_check`'s (95% bootstrap intervals over prompts).
 * :func:`router_rows`: vLLM's ``topk_softmax`` kernel (built from the bundle) against the ``vllm`` profile's
   MoE router. The Triton expert rows need vLLM's ``fused_moe`` package, which the bundle does not carry.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlalign_verl.diagnose.engine_ops_piecewise import PiecewiseEngineFloor
+from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
 
 _SCRIPTS = str(Path(__file__).resolve().parent)
 if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
@@ -46,7 +46,7 @@ class BundleFloor(PiecewiseEngineFloor):
     """``logits(input_ids)`` of a HF dense model with the regions run by vLLM's ops from the bundle."""
 
     def __init__(self, model: torch.nn.Module, ops: Any, mode: str) -> None:
-        from rlalign_verl.diagnose.engine_ops import _floor_custom_ops, rope_parameters
+        from rlalign_verl.tools.diagnose.engine_floor import _floor_custom_ops, rope_parameters
 
         if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
             raise BundleError("the bundle floor covers dense models only")
@@ -116,7 +116,7 @@ def sample_rollouts(floor: Any, prompts: list[list[int]], tokens: int, seed: int
                     device: str) -> list:  # fmt: skip
     """Temperature-1 samples from the floor, with the floor's fp32 log-prob of each sampled token (as the
     engine reports it). No KV cache: every step reruns the whole sequence (tiny model)."""
-    from rlalign_verl.diagnose.rollouts import Rollout
+    from rlalign_verl.tools.diagnose.rollouts import Rollout
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -137,12 +137,12 @@ def run_bundle_e2e(ops: Any, mode: str, profile: str, *, arch: str = "qwen3", pr
                    tokens: int = 32, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """The floor (:class:`BundleFloor` in ``mode``) samples; HF recomputes unaligned, per region and with all
     regions aligned to ``profile``; the floor recomputes too. The JSON report's e2e entry for one mode."""
-    from rlalign_verl.diagnose.e2e_check import problems_of, recompute_rows
-    from rlalign_verl.diagnose.pipeline import Sample, load_hf, measure, recompute
-    from rlalign_verl.diagnose.resolve import check_model
-    from rlalign_verl.diagnose.stats import CI_KEYS
-    from rlalign_verl.diagnose.tiny import build_tiny_checkpoint, tiny_prompts
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
+    from rlalign_verl.tools.diagnose.e2e_check import problems_of, recompute_rows
+    from rlalign_verl.tools.diagnose.pipeline import Sample, load_hf, measure, recompute
+    from rlalign_verl.tools.diagnose.resolve import check_model
+    from rlalign_verl.tools.diagnose.stats import CI_KEYS
+    from rlalign_verl.tools.diagnose.tiny import build_tiny_checkpoint, tiny_prompts
 
     t0 = time.time()
     device = ops.device
@@ -197,7 +197,7 @@ def e2e_step(ops: Any, checked: dict[str, str], *, arch: str, prompts: int, toke
 def router_rows(ops: Any, experts: int, top_k: int, renormalize: bool, seed: int = 0) -> dict[str, float]:
     """``{row: fraction bit-identical}``: the vllm profile's router (and ``router_softmax=topk``) vs the
     built ``topk_softmax`` kernel, on bf16 gate logits ``[256, experts]``."""
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     g = torch.Generator(device="cpu").manual_seed(seed + experts)
     logits = (torch.randn(256, experts, generator=g) * 2).to(torch.bfloat16).to(ops.device)

@@ -80,7 +80,7 @@ ANCHORS: dict[str, tuple[str, ...]] = {
 def inductor_options(device: str, torch_version: str = torch.__version__) -> dict[str, Any]:
     """The Inductor options vLLM compiles its graph pieces with on ``device`` under ``torch_version``."""
     if device != "cuda":
-        from rlalign_verl.diagnose.engine_compile import CPU_INDUCTOR_OPTIONS
+        from rlalign_verl.tools.diagnose.engine_compile import CPU_INDUCTOR_OPTIONS
 
         return dict(CPU_INDUCTOR_OPTIONS)
     from packaging.version import Version

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlalign_verl.diagnose.bits import bit_identical, compare
+from rlalign_verl.tools.diagnose.bits import bit_identical, compare
 
 if TYPE_CHECKING:
     from gpu_check_engines import Engine
@@ -40,7 +40,7 @@ KERNEL_SHAPE = (2, 16, 300, 128)  # (batch, heads, tokens, head_dim) for the Tri
 
 
 def _norm_variants(base, with_residual: bool) -> list[tuple[str, Any]]:
-    from rlalign_verl.profiles import Mean, NormRounding, Source
+    from rlalign_verl.catalog.profiles import Mean, NormRounding, Source
 
     sources = (
         [
@@ -76,7 +76,7 @@ def _table_from_cache(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
 
 
 def _region_rope(q, k, pos, cache, head_size, rounding, *, q_fp32=None, k_fp32=None):
-    from rlalign_verl.regions.rope import apply_rope
+    from rlalign_verl.align.regions.rope import apply_rope
 
     cos, sin = _table_from_cache(cache, pos)
     qh = _to_heads(q if q_fp32 is None else q_fp32, head_size)
@@ -136,7 +136,7 @@ def _guarded(
 
 def case_rmsnorm(eng: Engine, prof: Any, x: torch.Tensor, w: torch.Tensor, shape: str) -> list[Row]:
     """The engine's RMSNorm vs ours (row ``out``), with every norm variant scored."""
-    from rlalign_verl.regions.rmsnorm import rms_norm
+    from rlalign_verl.align.regions.rmsnorm import rms_norm
 
     def body(rows: list[Row]) -> None:
         eo = eng.rms_norm(x, w, EPS)
@@ -150,8 +150,8 @@ def case_add_rmsnorm(
     eng: Engine, prof: Any, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, shape: str
 ) -> list[Row]:
     """The engine's fused add + RMSNorm vs ours (rows ``out`` and ``residual``)."""
-    from rlalign_verl.profiles import Residual
-    from rlalign_verl.regions.rmsnorm import add_rms_norm
+    from rlalign_verl.align.regions.rmsnorm import add_rms_norm
+    from rlalign_verl.catalog.profiles import Residual
 
     round_res = prof.residual is not Residual.NEVER
 
@@ -171,9 +171,9 @@ def case_add_rmsnorm(
 
 def case_swiglu(eng: Engine, prof: Any, gu: torch.Tensor, inter: int, shape: str) -> list[Row]:
     """The engine's ``silu_and_mul`` on ``[gate | up]`` vs our SwiGLU (row ``out``)."""
-    from rlalign_verl.profiles import SwigluRounding
-    from rlalign_verl.regions._precision import store_as
-    from rlalign_verl.regions.swiglu import swiglu
+    from rlalign_verl.align.regions._precision import store_as
+    from rlalign_verl.align.regions.swiglu import swiglu
+    from rlalign_verl.catalog.profiles import SwigluRounding
 
     def body(rows: list[Row]) -> None:
         eo = eng.silu_and_mul(gu)
@@ -200,7 +200,7 @@ def case_rope(
     shape: str,
 ) -> list[Row]:
     """The engine's RoPE with its own cos/sin cache vs ours (rows ``q`` and ``k``)."""
-    from rlalign_verl.profiles import RopeRounding
+    from rlalign_verl.catalog.profiles import RopeRounding
 
     def body(rows: list[Row]) -> None:
         eq, ek = eng.rope(pos, q, k, head_size, cache)
@@ -229,7 +229,7 @@ def case_qknorm_rope(
     shape: str,
 ) -> list[Row]:
     """Qwen3: per-head RMSNorm of q/k, then RoPE (is the normalised value rounded in between?)."""
-    from rlalign_verl.regions.rmsnorm import rms_norm
+    from rlalign_verl.align.regions.rmsnorm import rms_norm
 
     tokens = q.shape[0]
 
@@ -261,8 +261,8 @@ def case_piece(
     shape: str,
 ) -> list[Row]:
     """vLLM's compiled piece: post-attention add+norm, then the next input add+norm, residual not stored between."""
-    from rlalign_verl.profiles import Residual
-    from rlalign_verl.regions.rmsnorm import add_rms_norm
+    from rlalign_verl.align.regions.rmsnorm import add_rms_norm
+    from rlalign_verl.catalog.profiles import Residual
 
     def ours(mid_rounded: bool):
         y1, r1 = add_rms_norm(h1, r0, w1, EPS, prof.norm, round_residual=mid_rounded)
@@ -295,7 +295,7 @@ def run_cases(
     """Every case for every engine, on fresh random bf16 inputs (``seed``); ``checked`` maps an engine to
     the profile compared with it (default: the engine's own name); ``bundle``: the engines' cos/sin cache
     from the bundle's sources."""
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -363,12 +363,12 @@ def run_cases(
 
 
 def kernel_rows(device: str, quick: bool, seed: int) -> list[Row]:
-    """The optional Triton kernels (rlalign_verl.kernels) against the PyTorch region functions they replace."""
-    from rlalign_verl import kernels
-    from rlalign_verl.profiles import RopeRounding, SwigluRounding
-    from rlalign_verl.regions._precision import rnd
-    from rlalign_verl.regions.rope import apply_rope, rope_table
-    from rlalign_verl.regions.swiglu import swiglu
+    """The optional Triton kernels (rlalign_verl.align.kernels) against the PyTorch region functions they replace."""
+    from rlalign_verl.align import kernels
+    from rlalign_verl.align.regions._precision import rnd
+    from rlalign_verl.align.regions.rope import apply_rope, rope_table
+    from rlalign_verl.align.regions.swiglu import swiglu
+    from rlalign_verl.catalog.profiles import RopeRounding, SwigluRounding
 
     if not kernels.available(torch.zeros(1, device=device), requested=True):
         return []
@@ -422,7 +422,7 @@ def _engine_cache(head_size: int, dtype: torch.dtype, device: str, bundle: Any =
 
 def _table_rows(name: str, eng: Engine, device: str, bundle: Any = None) -> list[Row]:
     """Our table (HF's formula: inv_freq on the CPU, fp32 matmul on ``device``) vs the engine's cache."""
-    from rlalign_verl.regions.rope import rope_table
+    from rlalign_verl.align.regions.rope import rope_table
 
     rows = []
     for head_size in (64, 128):

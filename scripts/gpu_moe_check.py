@@ -65,7 +65,7 @@ def router_rows_against(logits, top_k: int, renormalize: bool, prof, w_eng, ids)
     ``router_softmax=topk`` variant vs the engine's weights ``w_eng`` and expert ids ``ids``, in expert order."""
     import dataclasses
 
-    from rlalign_verl.regions.moe import route
+    from rlalign_verl.align.regions.moe import route
 
     order = ids.long().argsort(-1)
     rows: dict[str, float] = {}
@@ -86,8 +86,8 @@ def moe_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str, f
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
 
-    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
-    from rlalign_verl.regions.moe import mix_experts
+    from rlalign_verl.align.regions.moe import mix_experts
+    from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, HF, get_profile
 
     prof = get_profile("vllm").moe
     x, gate_up, down, logits = _inputs(device, seed, top_k)
@@ -148,7 +148,7 @@ def misses(rows: dict[str, float]) -> list[str]:
 
 def block_candidates(x, gate_w, shared, routed) -> dict:
     """Qwen2-MoE's block output under each ``block_sum`` value (``x`` the block input, ``gate_w`` ``[1, H]``)."""
-    from rlalign_verl.regions.moe import fused_gate_sum
+    from rlalign_verl.align.regions.moe import fused_gate_sum
 
     bf = x.dtype
     sig = torch.sigmoid(F.linear(x, gate_w))  # the gate Linear and the sigmoid, each stored in bf16
@@ -171,8 +171,8 @@ def sglang_rows(device: str = "cuda", seed: int = 0, top_k: int = 2) -> dict[str
     except Exception as exc:  # not installed, or a build that cannot load here: nothing to compare
         print(f"gpu_moe_check: sglang rows skipped: {type(exc).__name__}: {exc}")
         return None
-    from rlalign_verl.profiles import CPU_FUSED_MOE, HF, get_profile
-    from rlalign_verl.regions.moe import mix_experts
+    from rlalign_verl.align.regions.moe import mix_experts
+    from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, HF, get_profile
 
     prof = get_profile("sglang").moe
     x, gate_up, down, logits = _inputs(device, seed, top_k)

@@ -3,7 +3,7 @@
 
 For every region (rmsnorm, add+rmsnorm, swiglu, rope, plus the Qwen3 q/k-norm -> RoPE chain and the
 ``vllm`` graph piece) and every CUDA profile (``vllm-eager``, ``vllm``, ``sglang`` when ``sgl_kernel`` is
-importable), this runs the engine's op and our region function (:mod:`rlalign_verl.regions`) on the
+importable), this runs the engine's op and our region function (:mod:`rlalign_verl.align.regions`) on the
 same random bf16 inputs and reports the fraction of bit-identical output elements and the largest
 distance in units in the last place (ULP). Engine ops:
 
@@ -14,7 +14,7 @@ distance in units in the last place (ULP). Engine ops:
 * ``sglang``: ``sgl_kernel.rmsnorm``, ``fused_add_rmsnorm``, ``silu_and_mul``,
   ``apply_rope_with_cos_sin_cache_inplace`` with SGLang's fp32 cos/sin cache.
 
-On CUDA it also compares the optional Triton kernels (:mod:`rlalign_verl.kernels`, profile column
+On CUDA it also compares the optional Triton kernels (:mod:`rlalign_verl.align.kernels`, profile column
 ``triton``) with the PyTorch region functions they replace (expected: 100 % identical).
 
 Each norm/SwiGLU/RoPE row also scores the other rounding variants a profile could have (``best``
@@ -39,7 +39,7 @@ variant is not the profile's own, a Triton row is not bit-identical, or nothing 
 are printed and in the JSON's ``problems``); 2 for bad arguments or an unusable bundle.
 
 End-to-end step (when ``vllm`` is among ``--profiles``; ``--no-e2e`` skips it, ``--e2e-only`` runs only it):
-:mod:`rlalign_verl.diagnose.e2e_check` samples rollouts from a tiny local model with the installed engine
+:mod:`rlalign_verl.tools.diagnose.e2e_check` samples rollouts from a tiny local model with the installed engine
 (vLLM's CUDA build on CUDA), recomputes them with each region setting and the floor, and fails when all
 regions do not reach the floor's interval or are not below ``none`` (key ``e2e`` in the JSON). With
 ``--bundle`` the floor built from the bundle samples (``gpu_bundle_e2e.py``; ``vllm`` and ``vllm-eager``).
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 # the one bit-level comparison helper (pure torch), shared with diagnose and the tests
-from rlalign_verl.diagnose.bits import bit_identical, compare, ulp_distance  # noqa: F401
+from rlalign_verl.tools.diagnose.bits import bit_identical, compare, ulp_distance  # noqa: F401
 
 CUDA_PROFILES = ("vllm-eager", "vllm", "sglang")
 
@@ -339,12 +339,12 @@ def _sgl_kernel() -> bool | str:
 
 
 def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] | None:
-    """diagnose's pipeline on a tiny model (:mod:`rlalign_verl.diagnose.e2e_check`), or None when not run."""
+    """diagnose's pipeline on a tiny model (:mod:`rlalign_verl.tools.diagnose.e2e_check`), or None when not run."""
     if BUNDLE is not None:
         return _bundle_e2e_step(args, profiles)
     if args.no_e2e or "vllm" not in profiles:
         return None
-    from rlalign_verl.diagnose.e2e_check import run_e2e
+    from rlalign_verl.tools.diagnose.e2e_check import run_e2e
 
     profile = _checked_profiles(["vllm"], args.device, args.plant)["vllm"]
     out_dir = default_json_path(args.out).parent / "e2e"
@@ -417,8 +417,8 @@ def _moe_step(device: str) -> dict[str, Any] | None:
 
 def _checked_profiles(engines: list[str], device: str, plant: str | None) -> dict[str, str]:
     """The profile each engine is checked against: its own, its CPU build's (``--device cpu``), or ``plant``."""
-    from rlalign_verl.placement import DEVICE_COUNTERPART
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.placement import DEVICE_COUNTERPART
+    from rlalign_verl.catalog.profiles import get_profile
 
     if plant:
         return dict.fromkeys(engines, get_profile(plant).name)

@@ -50,7 +50,7 @@ def experts(x, gate_up, down, w, ids, gemm) -> torch.Tensor:
 
 
 def main() -> None:
-    from rlalign_verl.diagnose import engine_ops_moe as em
+    from rlalign_verl.tools.diagnose import engine_floor_moe as em
 
     g = torch.Generator().manual_seed(256)
     T, H, inter, E = 96, 256, 128, 8

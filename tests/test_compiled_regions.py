@@ -1,4 +1,4 @@
-"""The opt-in Inductor-compiled regions keep the eager rounding (rlalign_verl.regions.compiled).
+"""The opt-in Inductor-compiled regions keep the eager rounding (rlalign_verl.align.regions.compiled).
 
 SwiGLU and RoPE must be bit-identical to the eager region functions, outputs and gradients, for every
 profile. The compiled norms (``exact=False``) round in the same places but sum the squares in
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.profiles import PROFILES
-from rlalign_verl.regions import rmsnorm, rope, swiglu
-from rlalign_verl.regions.compiled import compiled_regions, inductor_available
+from rlalign_verl.align.regions import rmsnorm, rope, swiglu
+from rlalign_verl.align.regions.compiled import compiled_regions, inductor_available
+from rlalign_verl.catalog.profiles import PROFILES
 
 BF = torch.bfloat16
 EPS = 1e-6

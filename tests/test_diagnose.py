@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
-from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose.options import parse_settings
-from rlalign_verl.diagnose.recommend import recommend
-from rlalign_verl.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
-from rlalign_verl.errors import UnknownRegionError
+from rlalign_verl.base.errors import UnknownRegionError
+from rlalign_verl.tools.cli import main as cli_main
+from rlalign_verl.tools.diagnose.options import parse_settings
+from rlalign_verl.tools.diagnose.recommend import recommend
+from rlalign_verl.tools.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
 
 MEAN = "mismatch/logp_abs_diff_mean"
 
@@ -98,7 +98,7 @@ def test_engine_profile_mismatch(capsys, tmp_path):
 
 
 def test_no_engine_installed(monkeypatch, capsys, tmp_path):
-    import rlalign_verl.diagnose.runner as engine
+    import rlalign_verl.tools.diagnose.runner as engine
 
     monkeypatch.setattr(engine, "engine_distribution", lambda: None)
     msg = _err(["--out", str(tmp_path)], capsys)
@@ -192,7 +192,7 @@ def test_recommendation_picks_smallest_sufficient_set():
 @pytest.mark.engine
 def test_seeds_pool_independent_samples(tmp_path):
     """--seeds 2: every prompt sampled twice (different tokens), pooled; intervals in table and JSON."""
-    from rlalign_verl.diagnose.runner import engine_distribution
+    from rlalign_verl.tools.diagnose.runner import engine_distribution
 
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]')")
@@ -202,7 +202,7 @@ def test_seeds_pool_independent_samples(tmp_path):
     res = json.loads((out / "diagnose.json").read_text())
     assert res["sampling"]["seeds"] == 2 and res["sampling"]["num_prompts"] == 4
     assert res["settings"]["none"]["mismatch/num_tokens"] == 2 * 4 * 8
-    from rlalign_verl.diagnose.rollouts import read_rollouts
+    from rlalign_verl.tools.diagnose.rollouts import read_rollouts
 
     _, rs = read_rollouts(out / "rollouts.jsonl")
     assert [r.prompt_ids for r in rs[:4]] == [r.prompt_ids for r in rs[4:]]

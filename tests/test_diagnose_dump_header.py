@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose.rollouts import FORMAT_KIND, RolloutFormatError, read_rollouts
+from rlalign_verl.tools.cli import main as cli_main
+from rlalign_verl.tools.diagnose.rollouts import FORMAT_KIND, RolloutFormatError, read_rollouts
 
 MEAN = "mismatch/logp_abs_diff_mean"
 SAMPLE = {"prompt_ids": [10, 11, 12], "response_ids": [5, 6, 7], "response_logprobs": [-1.0, -0.5, -2.0]}
@@ -119,7 +119,7 @@ def test_responses_within_max_tokens(tmp_path):
 
 
 def test_logprobs_mode_and_sampling(tmp_path):
-    from rlalign_verl.diagnose.dump_header import logprob_temperature
+    from rlalign_verl.tools.diagnose.dump_header import logprob_temperature
 
     processed = {"logprobs_mode": "processed_logprobs"}
     for mode in ("raw_logits", "processed_logits"):
@@ -157,7 +157,7 @@ def _hf_logprobs(model_dir: Path, sample: dict, temperature: float) -> list[floa
     """The unaligned HF model's log-probs of the sample's response at ``temperature`` (fp32 division)."""
     import torch
 
-    from rlalign_verl.diagnose.pipeline import load_hf
+    from rlalign_verl.tools.diagnose.pipeline import load_hf
 
     hf, before = load_hf(model_dir), torch.get_num_threads()
     torch.set_num_threads(1)  # what diagnose uses for a model this small: same GEMM splits, same bits
@@ -175,8 +175,8 @@ def _hf_logprobs(model_dir: Path, sample: dict, temperature: float) -> list[floa
 def test_processed_logprobs_temperature_is_applied_to_the_recompute(tiny_checkpoint, tmp_path):
     """A dump of processed log-probs at temperature 0.7 equal to HF's own: the `none` gap is exactly 0 (the
     recompute divides by 0.7 as vLLM did); the same numbers labelled raw are compared at temperature 1."""
-    from rlalign_verl.diagnose.command import diagnose
-    from rlalign_verl.diagnose.options import DiagnoseOptions
+    from rlalign_verl.tools.diagnose.command import diagnose
+    from rlalign_verl.tools.diagnose.options import DiagnoseOptions
 
     model = tiny_checkpoint("qwen2")
     sample = {**SAMPLE, "response_logprobs": _hf_logprobs(model, SAMPLE, 0.7)}

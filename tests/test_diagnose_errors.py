@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose.rollouts import Rollout, RolloutHeader, model_identity, write_rollouts
+from rlalign_verl.tools.cli import main as cli_main
+from rlalign_verl.tools.diagnose.rollouts import Rollout, RolloutHeader, model_identity, write_rollouts
 
 
 def _dump(path: Path, model_dir: Path, **extra) -> Path:
@@ -153,7 +153,7 @@ CASES = {
 @pytest.fixture
 def no_engine(monkeypatch):
     """A tripwire: starting the engine fails the test (errors must come before it)."""
-    import rlalign_verl.diagnose.runner as runner
+    import rlalign_verl.tools.diagnose.runner as runner
 
     def tripwire(*a, **k):
         raise AssertionError("the engine was started before the bad input was reported")
@@ -195,7 +195,7 @@ def test_report_error(case, words, tmp_path, capsys):
 
 def test_outputs_replace_a_symlink_instead_of_following_it(tmp_path):
     """An atomic write into --out replaces a symlink planted there; the file it pointed to is untouched."""
-    from rlalign_verl.files import write_text
+    from rlalign_verl.base.files import write_text
 
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlalign_verl.cli import main as cli_main
-from rlalign_verl.diagnose.head import engine_hf_overrides, sample_head_dtype
-from rlalign_verl.diagnose.ladder import HEAD_NOTE, ladder_rows, plan, zero_count
-from rlalign_verl.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
-from rlalign_verl.errors import AlignmentError
-from rlalign_verl.profiles import get_profile
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.catalog.profiles import get_profile
+from rlalign_verl.tools.cli import main as cli_main
+from rlalign_verl.tools.diagnose.head import engine_hf_overrides, sample_head_dtype
+from rlalign_verl.tools.diagnose.ladder import HEAD_NOTE, ladder_rows, plan, zero_count
+from rlalign_verl.tools.diagnose.rollouts import Rollout, RolloutHeader, write_rollouts
 
 MEAN = "mismatch/logp_abs_diff_mean"
 
@@ -112,7 +112,7 @@ def test_plan_skips_what_cannot_run_and_builds_on_what_ran():
 def test_plan_on_moe_models_adds_the_engine_moe_op():
     """MoE: compiled_norm is skipped (dense only); the last rung adds moe with moe_variant=engine-op on the vLLM
     CPU profiles (where vLLM's op is callable) and is skipped, with the reason, elsewhere."""
-    from rlalign_verl.engine_ops.moe_op import engine_op_available
+    from rlalign_verl.align.engine_ops.moe_op import engine_op_available
 
     four = ("rope", "swiglu", "rmsnorm", "attention")
     cpu = plan(get_profile("vllm-cpu"), "model", moe=True)
@@ -148,7 +148,7 @@ def test_head_dtype_sources():
 
 
 def _tripwire(monkeypatch):
-    import rlalign_verl.diagnose.runner as runner
+    import rlalign_verl.tools.diagnose.runner as runner
 
     def boom(*a, **k):
         raise AssertionError("the engine started before the bad option was refused")
@@ -209,7 +209,7 @@ def test_engine_job_passes_hf_overrides_to_vllm(monkeypatch, tmp_path):
     pytest.importorskip("vllm")
     import vllm
 
-    from rlalign_verl.diagnose import runner
+    from rlalign_verl.tools.diagnose import runner
 
     seen: list[dict] = []
 

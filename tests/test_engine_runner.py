@@ -1,4 +1,4 @@
-"""The real vLLM engine wrapper (rlalign_verl.diagnose.runner) and the rollout dump format (rlalign_verl.diagnose.rollouts)."""
+"""The real vLLM engine wrapper (rlalign_verl.tools.diagnose.runner) and the rollout dump format (rlalign_verl.tools.diagnose.rollouts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlalign_verl.diagnose.rollouts import (
+from rlalign_verl.tools.diagnose.rollouts import (
     FORMAT_KIND,
     Rollout,
     RolloutFormatError,
@@ -112,7 +112,7 @@ def test_dump_header_errors(tmp_path):
 
 
 def test_no_engine_is_a_clear_error(monkeypatch, tmp_path):
-    import rlalign_verl.diagnose.runner as engine
+    import rlalign_verl.tools.diagnose.runner as engine
 
     monkeypatch.setattr(engine, "engine_distribution", lambda: None)
     job = engine.EngineJob(
@@ -183,7 +183,7 @@ def test_compiled_and_eager_sample_the_same_tokens_with_different_logprobs(engin
 def test_generate_rollouts_is_deterministic_and_batch_invariant(engine_rollouts, tmp_path):
     """A second engine run on a subset of the prompts, with fewer tokens, samples the same tokens (per-
     request seeds) and writes a dump that reads back."""
-    from rlalign_verl.diagnose.runner import generate_rollouts
+    from rlalign_verl.tools.diagnose.runner import generate_rollouts
 
     ref = engine_rollouts("qwen2", "eager")
     prompts = [r.prompt_ids for r in ref.rollouts[:4]]
@@ -207,7 +207,7 @@ def test_engine_child_path_does_not_shadow_top_level_packages(tmp_path):
     import subprocess
     import sys
 
-    from rlalign_verl.diagnose.runner import child_env
+    from rlalign_verl.tools.diagnose.runner import child_env
 
     env = child_env()
     first = env["PYTHONPATH"].split(os.pathsep)[0]

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from rlalign_verl import apply_alignment, get_alignment, remove_alignment
-from rlalign_verl.errors import (
+from rlalign_verl.base.errors import (
     AlignmentOverriddenError,
     ConfigFormatError,
     UnknownProfileError,
@@ -110,7 +110,7 @@ def test_bad_api_input_is_a_typed_one_line_error(case):
 
 def test_json_spec_engine_auto_false_reads_false():
     """A JSON/dict spec's engine_auto is parsed as a boolean: the text "false" used to read as True."""
-    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.request.spec import AlignmentSpec
 
     spec = AlignmentSpec.parse({"regions": ["rope"], "engine": "vllm", "engine_auto": "false"})
     assert spec.engine_auto is False
@@ -126,7 +126,7 @@ def test_json_spec_engine_auto_false_reads_false():
 def test_the_model_is_taken_by_keyword_or_position():
     """apply_alignment / aligned / remove_alignment take ``model=`` like Liger's apply_liger_kernel_to_*(model=)."""
     from rlalign_verl import aligned
-    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.request.spec import AlignmentSpec
 
     by_keyword = apply_alignment(model=tiny(), regions=["rope"], engine="vllm")
     assert get_alignment(by_keyword).regions == ("rope",)
@@ -205,7 +205,7 @@ LIGER_SCRIPT = textwrap.dedent(
     from transformers import Qwen2Config, AutoModelForCausalLM
     from liger_kernel.transformers import apply_liger_kernel_to_qwen2
     from rlalign_verl import apply_alignment, get_alignment
-    from rlalign_verl.errors import AlignmentOverriddenError
+    from rlalign_verl.base.errors import AlignmentOverriddenError
 
     cfg = Qwen2Config(**{cfg!r})
     model = apply_alignment(AutoModelForCausalLM.from_config(cfg), regions={regions!r}, engine="vllm")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl.errors import AlignmentError, MetricsInputError, one_line
-from rlalign_verl.metrics import compute_mismatch_metrics
+from rlalign_verl.base.errors import AlignmentError, MetricsInputError, one_line
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
 
 Z = torch.zeros(2, 3)
 ONES = torch.ones(2, 3)
@@ -146,7 +146,7 @@ def test_hook_never_overwrites_verl_keys(monkeypatch):
     }
     monkeypatch.setattr(tc, "step_mismatch_metrics", lambda data, config: ours)
     hook = tc._wrap_hook(original)
-    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.request.spec import AlignmentSpec
     from rlalign_verl.verl.run_context import Run, running
 
     with running(Run({"alignment": {"metrics": True}}, AlignmentSpec(), trainer=None, legacy=False)):

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf, open_dict  # noqa: E402
 from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, run_driver  # noqa: E402
 
-from rlalign_verl.errors import (  # noqa: E402
+from rlalign_verl.base.errors import (  # noqa: E402
     AlignmentError,
     ConfigFormatError,
     LigerConflictError,

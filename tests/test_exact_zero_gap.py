@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlalign_verl.diagnose.pipeline import load_hf, recompute
-from rlalign_verl.diagnose.rollouts import read_rollouts
-from rlalign_verl.diagnose.runner import EngineJob, engine_distribution, run_engine_jobs
-from rlalign_verl.diagnose.tiny import TinySpec, _write_checkpoint, tiny_prompts
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
+from rlalign_verl.tools.diagnose.pipeline import load_hf, recompute
+from rlalign_verl.tools.diagnose.rollouts import read_rollouts
+from rlalign_verl.tools.diagnose.runner import EngineJob, engine_distribution, run_engine_jobs
+from rlalign_verl.tools.diagnose.tiny import TinySpec, _write_checkpoint, tiny_prompts
 
 pytestmark = pytest.mark.engine
 

@@ -88,7 +88,7 @@ def _rank(rank: int, out_file: str) -> None:
     from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
     from torch.distributed.fsdp import fully_shard
 
-    from rlalign_verl.patch import apply_alignment
+    from rlalign_verl.align.patch import apply_alignment
 
     mesh, mp = init_gloo_fsdp(WORLD, rank)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))

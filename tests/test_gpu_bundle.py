@@ -182,7 +182,7 @@ def test_verify_finds_a_changed_missing_or_extra_file(index: FakeIndex, tmp_path
 
 
 def test_the_bundled_versions_are_the_ones_the_cuda_profiles_claim() -> None:
-    from rlalign_verl.profiles import PROFILES
+    from rlalign_verl.catalog.profiles import PROFILES
 
     claimed: set[str] = set()
     for p in PROFILES.values():
@@ -223,9 +223,9 @@ def natives():
 
 @needs_bundle
 def test_native_ops_load_from_the_bundle_and_round_as_vllm_cpu_eager(natives) -> None:
-    from rlalign_verl.profiles import SwigluRounding, get_profile
-    from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
-    from rlalign_verl.regions.swiglu import swiglu
+    from rlalign_verl.align.regions.rmsnorm import add_rms_norm, rms_norm
+    from rlalign_verl.align.regions.swiglu import swiglu
+    from rlalign_verl.catalog.profiles import SwigluRounding, get_profile
 
     _, n = natives
     assert n.sources["rms_norm"].startswith("vllm/ir/ops/layernorm.py:")
@@ -294,7 +294,7 @@ def test_vllms_settings_are_anchored_in_the_bundled_sources(tmp_path: Path) -> N
 def test_the_bundled_natives_compile_with_inductor_and_match_the_cpu_profile(natives) -> None:
     """The check's compiled engine on the bundle's sources with vLLM's CPU options: its row passes against
     vllm-cpu; a planted wrong profile (hf: two output roundings) is a miss naming the right variant."""
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     nat, n = natives
     engines, cases = load_script("gpu_check_engines"), load_script("gpu_check_cases")

@@ -100,7 +100,7 @@ def test_compare_counts_identical_bits_not_values() -> None:
 
 
 def test_norm_variants_cover_every_rounding_choice() -> None:
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     base = get_profile("vllm-eager").norm
     fused = check._norm_variants(base, True)
@@ -191,7 +191,7 @@ def test_verdict_fails_on_every_kind_of_miss() -> None:
 
 
 def test_e2e_criterion_fails_on_every_kind_of_miss() -> None:
-    from rlalign_verl.diagnose.e2e_check import problems_of
+    from rlalign_verl.tools.diagnose.e2e_check import problems_of
 
     def row(mean: float, half: float) -> dict:
         return {"mean_abs_dlogp": mean, "ci95": {"mismatch/logp_abs_diff_mean": [mean - half, mean + half]}}

@@ -26,8 +26,8 @@ def test_cuda_doc_formula_differs_from_both_implemented_roundings() -> None:
     spec = importlib.util.spec_from_file_location("gpu_moe_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from rlalign_verl.profiles import CPU_FUSED_MOE, HF
-    from rlalign_verl.regions.moe import mix_experts, route
+    from rlalign_verl.align.regions.moe import mix_experts, route
+    from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, HF
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 128, generator=g).to(torch.bfloat16)
@@ -49,8 +49,8 @@ def _load():
 
 def test_cuda_doc_formula_agrees_with_the_profile_data_at_top_2() -> None:
     """Two independent statements of the same source reading (the script's and regions/moe.py's)."""
-    from rlalign_verl.profiles import CUDA_TRITON_MOE
-    from rlalign_verl.regions.moe import mix_experts, route
+    from rlalign_verl.align.regions.moe import mix_experts, route
+    from rlalign_verl.catalog.profiles import CUDA_TRITON_MOE
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 128, generator=g).to(torch.bfloat16)
@@ -63,8 +63,8 @@ def test_cuda_doc_formula_agrees_with_the_profile_data_at_top_2() -> None:
 
 def test_every_field_mutation_changes_the_experts_output() -> None:
     """Each mutated field gives different bits on some outputs, so the GPU check can tell it apart."""
-    from rlalign_verl.profiles import CUDA_TRITON_MOE
-    from rlalign_verl.regions.moe import mix_experts, route
+    from rlalign_verl.align.regions.moe import mix_experts, route
+    from rlalign_verl.catalog.profiles import CUDA_TRITON_MOE
 
     mod = _load()
     for top_k in (2, 8):
@@ -118,7 +118,7 @@ def test_sglang_rows_skip_cleanly_without_sglang(capsys) -> None:
 
 
 def test_block_candidates_are_distinct_and_the_profile_is_the_fused_sum() -> None:
-    from rlalign_verl.regions.moe import fused_gate_sum
+    from rlalign_verl.align.regions.moe import fused_gate_sum
 
     g = torch.Generator().manual_seed(5)
     x, shared, routed = (torch.randn(64, 256, generator=g).to(torch.bfloat16) for _ in range(3))

@@ -32,8 +32,8 @@ import pytest
 from grpo_recipe import recipe_env, rows, tool_agent
 from ray_cluster import ClusterRun, LocalCluster
 
-from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
-from rlalign_verl.rounds import ROUND_KEYS
+from rlalign_verl.measure.metrics import COUNT_NAMES, METRIC_NAMES
+from rlalign_verl.measure.turns import ROUND_KEYS
 
 pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 

@@ -13,7 +13,7 @@ import math
 import pytest
 from grpo_recipe import rows, run_recipe
 
-from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
+from rlalign_verl.measure.metrics import COUNT_NAMES, METRIC_NAMES
 
 pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 

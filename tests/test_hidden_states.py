@@ -18,11 +18,11 @@ import transformers
 from packaging.version import Version
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-import rlalign_verl.forwards as forwards
-from rlalign_verl.errors import AlignmentError
-from rlalign_verl.patch import apply_alignment, remove_alignment
-from rlalign_verl.profiles import PROFILES, get_profile
-from rlalign_verl.regions.residual_stream import CARRY_KWARG, Carry, carry_for
+import rlalign_verl.align.forwards as forwards
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.regions.residual_stream import CARRY_KWARG, Carry, carry_for
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.catalog.profiles import PROFILES, get_profile
 
 BF = torch.bfloat16
 H, LAYERS = 64, 3

@@ -1,4 +1,4 @@
-"""The import rule: vLLM and matplotlib are imported only inside ``rlalign_verl/diagnose/``.
+"""The import rule: vLLM and matplotlib are imported only inside ``rlalign_verl/tools/diagnose/``.
 
 A training worker imports ``rlalign_verl`` and calls ``apply_alignment``; neither may pull in the
 inference engine or the plotting stack (checked on the real ``sys.modules`` of a fresh interpreter).
@@ -21,8 +21,8 @@ HEAVY = ("vllm", "matplotlib")
 # path (relative to the package) -> why it may name vLLM: it patches vLLM inside vLLM's own process
 ALLOWED = {
     "verl/cpu/fixes.py": "opt-in CPU adaptations (RLALIGN_VERL_CPU=1) patch the vLLM rollout server itself",
-    "engine_ops/attention_op.py": "opt-in attention region's engine-op: the engine's own CPU attention op",
-    "engine_ops/moe_op.py": "opt-in moe_variant=engine-op: the engine's own CPU expert op",
+    "align/engine_ops/attention_op.py": "opt-in attention region's engine-op: the engine's own CPU attention op",
+    "align/engine_ops/moe_op.py": "opt-in moe_variant=engine-op: the engine's own CPU expert op",
 }
 
 
@@ -46,11 +46,13 @@ def test_no_heavy_import_outside_diagnose():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith("diagnose/") or rel in ALLOWED:
+        if rel.startswith("tools/diagnose/") or rel in ALLOWED:
             continue
         for name in _imported_names(ast.parse(path.read_text(), filename=rel)):
             top = name.split(".")[0]
-            if top in HEAVY and not (top == "matplotlib" and rel.startswith("report/")):  # the report draws
+            if top in HEAVY and not (
+                top == "matplotlib" and rel.startswith("tools/report/")
+            ):  # the report draws
                 offenders.append(f"{rel}: {name}")
     assert offenders == [], offenders
 
@@ -135,12 +137,96 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_among_the_package_modules():
     """Lazy (function-level) imports count too: a cycle is a cycle whenever it is taken."""
     graph = _graph()
-    assert len(graph) > 80 and "rlalign_verl.spec" in graph["rlalign_verl.patch"]  # the scan sees the package
+    assert (
+        len(graph) > 80 and "rlalign_verl.request.spec" in graph["rlalign_verl.align.patch"]
+    )  # the scan sees the package
     assert _cycles(graph) == []
 
 
 def test_the_cycle_check_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+# The layers, bottom first: a module imports only from its own layer or a lower one. Layers on one row are
+# siblings and never import each other (alignment and measurement are independent; so are the integrations
+# and the tools). Written here, not read from the package, so that a new upward import fails this test.
+LAYERS = [
+    ("base",),
+    ("catalog",),
+    ("request",),
+    ("align", "measure"),
+    ("verl", "openrlhf", "tools"),
+    ("main_ppo", "__main__"),
+]
+
+
+def _layer(module: str) -> tuple[int, str]:
+    top = module.split(".")[1] if "." in module else ""
+    for rank, row in enumerate(LAYERS):
+        if top in row:
+            return rank, top
+    raise AssertionError(f"{module}: in no layer of LAYERS (add its folder to one)")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in graph.items():
+        if module == "rlalign_verl":
+            continue
+        rank, top = _layer(module)
+        for target in targets:
+            t_rank, t_top = _layer(target)
+            if t_top != top and t_rank >= rank:
+                bad.append(f"{module} -> {target}")
+    return sorted(bad)
+
+
+def _rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the package's top-level folders and modules (what a reader sees on disk)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module != "rlalign_verl":
+            top = _layer(module)[1]
+            rooms.setdefault(top, set()).update(_layer(t)[1] for t in targets if t != "rlalign_verl")
+    return {room: targets - {room} for room, targets in rooms.items()}
+
+
+def _levels(graph: dict[str, set[str]]) -> int:
+    """The longest import chain (a node importing nothing is level 1)."""
+    memo: dict[str, int] = {}
+
+    def level(v: str) -> int:
+        if v not in memo:
+            memo[v] = 1 + max((level(w) for w in graph.get(v, ()) if w != "rlalign_verl"), default=0)
+        return memo[v]
+
+    return max(level(v) for v in graph)
+
+
+def test_imports_run_only_down_the_layers():
+    graph = _graph()
+    assert _upward(graph) == []
+    tops = {
+        p.name.removesuffix(".py")
+        for p in PACKAGE.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    assert tops - {"__init__", "__main__"} == {name for row in LAYERS for name in row} - {"__main__"}
+    assert _levels(_rooms(graph)) <= 8, _rooms(graph)
+
+
+def test_the_layer_check_can_fail():
+    graph = {
+        "rlalign_verl.base.errors": {"rlalign_verl.catalog.profiles"},
+        "rlalign_verl.align.patch": {"rlalign_verl.measure.verify"},
+        "rlalign_verl.catalog.profiles": set(),
+        "rlalign_verl.measure.verify": set(),
+    }
+    assert _upward(graph) == [
+        "rlalign_verl.align.patch -> rlalign_verl.measure.verify",
+        "rlalign_verl.base.errors -> rlalign_verl.catalog.profiles",
+    ]
+    assert _levels({"a": {"b"}, "b": {"c"}, "c": set()}) == 3
 
 
 def test_no_private_name_is_imported_across_modules():
@@ -158,7 +244,9 @@ def test_the_scan_sees_every_import_form():
     """The scanner is not blind: each import form of a heavy module is found."""
     src = "import vllm\nfrom matplotlib import pyplot\ndef f():\n    importlib.import_module('vllm.x')\n"
     assert _imported_names(ast.parse(src)) == ["vllm", "matplotlib", "vllm.x"]
-    assert (PACKAGE / "diagnose" / "engine_ops.py").is_file()  # the excluded folder is the real one
+    assert (
+        PACKAGE / "tools" / "diagnose" / "engine_floor.py"
+    ).is_file()  # the excluded folder is the real one
 
 
 _WORKER = """
@@ -171,7 +259,7 @@ cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
 rlalign_verl.apply_alignment(model, engine="vllm-cpu")
 model(input_ids=torch.tensor([[1, 2, 3]]))
-import rlalign_verl.metrics
+import rlalign_verl.measure.metrics
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in %r)))
 """
 

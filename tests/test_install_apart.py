@@ -190,7 +190,7 @@ def _is_png(path: Path) -> bool:
 def test_the_main_job_runs_from_the_installed_wheel(wheel_env, tmp_path: Path) -> None:
     """The README's main job, ``rlalign-verl diagnose`` on its built-in default, run from the wheel install: the
     compiled engine path, the floor, the op probe and the recommendation (also run by the version matrix)."""
-    from rlalign_verl.diagnose.runner import engine_distribution
+    from rlalign_verl.tools.diagnose.runner import engine_distribution
 
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed (pip install 'rlalign-verl[engine]')")

@@ -1,7 +1,7 @@
 """The Triton kernels are opt-in: the default SwiGLU/RoPE forward is the PyTorch fp32 path everywhere.
 
 A CUDA tensor is faked with an object whose ``is_cuda`` is True (the selection reads only that), and a
-spy on :func:`rlalign_verl.kernels.available` records what every patched forward asked for.
+spy on :func:`rlalign_verl.align.kernels.available` records what every patched forward asked for.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlalign_verl import kernels
-from rlalign_verl.patch import apply_alignment, get_alignment
+from rlalign_verl.align import kernels
+from rlalign_verl.align.patch import apply_alignment, get_alignment
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FAKE_CUDA = SimpleNamespace(is_cuda=True)

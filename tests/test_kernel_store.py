@@ -1,7 +1,7 @@
 """The bf16 store of vLLM's CPU C++ kernels: round to nearest with AVX512-BF16, truncation without.
 
 ``RopeRounding.store`` / ``MoeRounding.store`` = ``"vllm-cpu-kernel"`` follow the host
-(:func:`rlalign_verl.placement.vllm_cpu_kernel_store`); this pins the primitive against a numpy bit-mask
+(:func:`rlalign_verl.catalog.placement.vllm_cpu_kernel_store`); this pins the primitive against a numpy bit-mask
 reference, its straight-through gradient, the host resolution, and, with the engine installed, what the
 kernels loaded here really do.
 """
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl.errors import ProfileMismatchError
-from rlalign_verl.placement import vllm_cpu_kernel_store
-from rlalign_verl.regions._precision import store_as, truncate_bf16
+from rlalign_verl.align.regions._precision import store_as, truncate_bf16
+from rlalign_verl.base.errors import ProfileMismatchError
+from rlalign_verl.catalog.placement import vllm_cpu_kernel_store
 
 BF = torch.bfloat16
 
@@ -55,7 +55,7 @@ def test_non_x86_host_is_refused_in_one_line(monkeypatch) -> None:
     assert "\n" not in str(e.value) and "alignment.engine=vllm-cpu" in str(e.value)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlalign_verl.patch import apply_alignment, get_alignment
+    from rlalign_verl.align.patch import apply_alignment, get_alignment
 
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)  # fmt: skip

@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent(
     import torch
     from transformers import Qwen2Config, AutoModelForCausalLM
     from liger_kernel.transformers import apply_liger_kernel_to_qwen2
-    from rlalign_verl.errors import LigerConflictError
-    from rlalign_verl.patch import apply_alignment, get_alignment
+    from rlalign_verl.base.errors import LigerConflictError
+    from rlalign_verl.align.patch import apply_alignment, get_alignment
 
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=100)

@@ -12,7 +12,7 @@ Counted two ways on a tiny bf16 Qwen2 (3 layers, hidden 256, intermediate 704 as
 
 Allowance (gradient checkpointing only): at each checkpointed layer boundary the checkpoint keeps the
 layer input ``R(s)`` ``[T, H]`` as for HF, and the recompute needs the remainder ``s - R(s)`` kept in the
-carry (:mod:`rlalign_verl.regions.residual_stream`): none for ``vllm-eager``, bf16 ``[T, H]`` for
+carry (:mod:`rlalign_verl.align.regions.residual_stream`): none for ``vllm-eager``, bf16 ``[T, H]`` for
 ``sglang`` (the rounding error of a bf16 pair's sum), fp32 ``[T, H]`` for ``vllm``: in units of bf16
 ``[T, H]``, a boundary holds 1, 2 or 3 (``PACKED_WIDTH``).
 So every layer input after the first costs ``(width - 1) * T * H * 2`` extra bytes; that is the
@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
 
 BF = torch.bfloat16
 H, INTER, LAYERS, T = 256, 704, 3, 64

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES, compute_mismatch_metrics, sorted_quantiles
+from rlalign_verl.measure.metrics import COUNT_NAMES, METRIC_NAMES, compute_mismatch_metrics, sorted_quantiles
 
 NAN, INF = float("nan"), float("inf")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rlalign_verl.errors import ComputeDtypeError, UnsupportedModelError
-from rlalign_verl.patch import apply_alignment, get_alignment
+from rlalign_verl.align.patch import apply_alignment, get_alignment
+from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
 
 BF = torch.bfloat16
 IDS = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))

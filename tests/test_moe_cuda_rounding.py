@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlalign_verl.errors import UnsupportedModelError
-from rlalign_verl.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, get_profile
-from rlalign_verl.regions.moe import mix_experts, route
+from rlalign_verl.align.regions.moe import mix_experts, route
+from rlalign_verl.base.errors import UnsupportedModelError
+from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, get_profile
 
 BF = torch.bfloat16
 
@@ -101,7 +101,7 @@ def test_router_all_experts_fp32_vs_float64() -> None:
 def test_cuda_profiles_need_the_unverified_opt_in(profile: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from rlalign_verl.patch import apply_alignment, get_alignment
+    from rlalign_verl.align.patch import apply_alignment, get_alignment
 
     prof = get_profile(profile)
     assert prof.moe == CUDA_TRITON_MOE and prof.moe.verified is False

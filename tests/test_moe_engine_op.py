@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from rlalign_verl.engine_ops.moe_op import engine_experts, engine_op_available
-from rlalign_verl.errors import AlignmentError, UnsupportedModelError
-from rlalign_verl.patch import apply_alignment, get_alignment
-from rlalign_verl.profiles import HF, get_profile
-from rlalign_verl.regions.moe import mix_experts
+from rlalign_verl.align.engine_ops.moe_op import engine_experts, engine_op_available
+from rlalign_verl.align.patch import apply_alignment, get_alignment
+from rlalign_verl.align.regions.moe import mix_experts
+from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
+from rlalign_verl.catalog.profiles import HF, get_profile
 
 BF = torch.bfloat16
 MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
@@ -62,7 +62,7 @@ def _vllm_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
 
 
 def _route(logits, top_k: int, profile: str):
-    from rlalign_verl.diagnose import engine_ops_moe as em
+    from rlalign_verl.tools.diagnose import engine_floor_moe as em
 
     w, ids = em.route(logits, top_k, True, compiled=MODES[profile])
     # the profile's combine sees the weights in its own dtype (eager: the engine's bf16 softmax output)
@@ -134,7 +134,7 @@ def test_aligned_model_runs_the_engines_router_and_op(kind: str, profile: str) -
     """On a model: each sparse block's routing is the engine router's for the block's own logits (weights bit
     for bit, ids in the engine's slot order; compiled: the Inductor-compiled router) and its experts output the
     op's for that routing; loss.backward gives finite gradients; describe() names the variant."""
-    from rlalign_verl.diagnose import engine_ops_moe as em
+    from rlalign_verl.tools.diagnose import engine_floor_moe as em
 
     model = _build(kind)
     apply_alignment(model, regions=MOE, engine=profile, moe_variant="engine-op")

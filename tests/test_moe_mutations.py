@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from rlalign_verl.patch import apply_alignment, remove_alignment
-from rlalign_verl.profiles import PROFILES
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
+from rlalign_verl.catalog.profiles import PROFILES
 
 BF, F64 = torch.bfloat16, torch.float64
 H, INTER, E, K, T = 64, 32, 8, 3, 96  # top-3: a bf16 running sum of 3 slots differs from one fp32 sum
@@ -199,7 +199,7 @@ def same_store_here(a, b) -> bool:
 
 
 def test_values_cover_every_moe_field() -> None:
-    from rlalign_verl.profiles import MoeRounding
+    from rlalign_verl.catalog.profiles import MoeRounding
 
     assert set(VALUES) | NOT_ROUNDING == {f.name for f in dataclasses.fields(MoeRounding)}
     for f, values in VALUES.items():  # each listed value is allowed, and nothing else is
@@ -310,7 +310,7 @@ def test_every_block_sum_mutation_is_killed(monkeypatch) -> None:
 
 def test_hand_on_fp32_block_output_is_exact() -> None:
     """An fp32 MLP output in a bf16 layer: visible R(s) plus the carried remainder is the fp32 sum s exactly."""
-    from rlalign_verl.regions.residual_stream import Carry, ResidualCarry, hand_on
+    from rlalign_verl.align.regions.residual_stream import Carry, ResidualCarry, hand_on
 
     g = torch.Generator().manual_seed(3)
     h, r = torch.randn(64, H, generator=g), (torch.randn(64, H, generator=g) * 8).to(BF)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
-from rlalign_verl.errors import UnsupportedModelError
-from rlalign_verl.patch import aligned, apply_alignment, get_alignment, remove_alignment
-from rlalign_verl.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, MoeRounding
-from rlalign_verl.regions.moe import mix_experts, route
+from rlalign_verl.align.patch import aligned, apply_alignment, get_alignment, remove_alignment
+from rlalign_verl.align.regions.moe import mix_experts, route
+from rlalign_verl.base.errors import UnsupportedModelError
+from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, MoeRounding
 
 BF = torch.bfloat16
 ALL = ("rope", "swiglu", "rmsnorm")
@@ -58,7 +58,7 @@ def logits(model) -> torch.Tensor:
 
 def bound(model) -> set[str]:
     """Modules with an aligned forward (not the pass-throughs every decoder layer and base model get)."""
-    from rlalign_verl.binding import AlignedForward, passthrough_forward
+    from rlalign_verl.align.binding import AlignedForward, passthrough_forward
 
     def aligned(fwd) -> bool:
         func = getattr(fwd, "func", None)
@@ -114,7 +114,7 @@ def test_moe_region_binds_the_router_and_changes_the_routing_weights() -> None:
 
 
 def test_all_excludes_the_opt_in_moe_region() -> None:
-    from rlalign_verl.regions import normalize_regions
+    from rlalign_verl.align.regions import normalize_regions
 
     assert normalize_regions("all") == ALL
     assert normalize_regions("all,moe") == (*ALL, "moe")
@@ -126,7 +126,7 @@ def test_profile_without_moe_rounding_is_refused_for_experts(regions) -> None:
     """A profile with no MoE data (every built-in one has some now: a copy of sglang without it)."""
     import dataclasses
 
-    from rlalign_verl.profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     bare = dataclasses.replace(get_profile("sglang"), moe=None)
     model = build("qwen2_moe")
@@ -228,7 +228,7 @@ def test_route_weights_and_grads_vs_float64(rounding: MoeRounding) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_norm_is_refused_on_moe_before_patching(kind: str) -> None:
     """The engine graph's stored-sum norm positions were read from dense models only: refused, nothing patched."""
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
 
     model = build(kind)
     with pytest.raises(AlignmentError, match="dense models only") as e:

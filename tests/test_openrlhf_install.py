@@ -7,7 +7,7 @@ import pytest
 
 from rlalign_verl.openrlhf import setup
 from rlalign_verl.openrlhf.settings import Settings
-from rlalign_verl.spec import AlignmentSpec
+from rlalign_verl.request.spec import AlignmentSpec
 
 EXPERIENCE = "openrlhf.trainer.ppo_utils.experience_maker"
 ACTOR = "openrlhf.models.actor"

@@ -13,12 +13,12 @@ from transformers import (
     Qwen3Config,
 )
 
-from rlalign_verl.errors import (
+from rlalign_verl.align.patch import aligned, apply_alignment, get_alignment, remove_alignment
+from rlalign_verl.base.errors import (
     UnknownProfileError,
     UnknownRegionError,
     UnsupportedModelError,
 )
-from rlalign_verl.patch import aligned, apply_alignment, get_alignment, remove_alignment
 
 BF = torch.bfloat16
 FAMILY_CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
@@ -45,7 +45,7 @@ def logits(model, ids, **kw) -> torch.Tensor:
 
 
 def _passthrough(fwd) -> bool:
-    from rlalign_verl.binding import AlignedForward, passthrough_forward
+    from rlalign_verl.align.binding import AlignedForward, passthrough_forward
 
     func = getattr(fwd, "func", None)
     return isinstance(func, AlignedForward) and func.factory is passthrough_forward
@@ -283,8 +283,8 @@ def test_bad_input_errors() -> None:
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_compiled_regions_are_bit_identical_to_eager(engine: str) -> None:
     """``compile=True`` (Inductor-compiled SwiGLU and RoPE) must not move a single bit of the logits or
-    the gradients; the rmsnorm region stays eager (see rlalign_verl/regions/compiled.py)."""
-    from rlalign_verl.regions.compiled import inductor_available
+    the gradients; the rmsnorm region stays eager (see rlalign_verl/align/regions/compiled.py)."""
+    from rlalign_verl.align.regions.compiled import inductor_available
 
     ok, why = inductor_available()
     if not ok:

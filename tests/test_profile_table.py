@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl import profile_table
-from rlalign_verl.profiles import PROFILES, NormRounding, Residual, Source
+from rlalign_verl.catalog import profile_table
+from rlalign_verl.catalog.profiles import PROFILES, NormRounding, Residual, Source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,8 +55,8 @@ def test_replace_block_needs_markers():
 
 
 def test_the_tp_cell_follows_the_reduction_fields():
-    from rlalign_verl.profiles import get_profile
-    from rlalign_verl.profiles_tp import TpReduction
+    from rlalign_verl.catalog.profiles import get_profile
+    from rlalign_verl.catalog.profiles_tp import TpReduction
 
     cpu = get_profile("vllm-cpu")
     assert profile_table.tp_cell(cpu).startswith("fp32 sum, one rounding (from each rank's own partial)")

@@ -24,8 +24,8 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from rlalign_verl.profiles import get_profile  # noqa: E402
-from rlalign_verl.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
+from rlalign_verl.catalog.profiles import get_profile  # noqa: E402
+from rlalign_verl.request.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
 from rlalign_verl.verl.config import read_spec, resolve_spec  # noqa: E402
 
 pytestmark = pytest.mark.verl

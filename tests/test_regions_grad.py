@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlalign_verl.errors import AlignmentError
-from rlalign_verl.profiles import PROFILES, Mean, get_profile
-from rlalign_verl.regions.residual_stream import Carry, ResidualCarry, carry_for, hand_on, join
-from rlalign_verl.regions.rmsnorm import add_rms_norm, rms_norm
-from rlalign_verl.regions.rope import apply_rope, rope_table
-from rlalign_verl.regions.swiglu import swiglu
+from rlalign_verl.align.regions.residual_stream import Carry, ResidualCarry, carry_for, hand_on, join
+from rlalign_verl.align.regions.rmsnorm import add_rms_norm, rms_norm
+from rlalign_verl.align.regions.rope import apply_rope, rope_table
+from rlalign_verl.align.regions.swiglu import swiglu
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.catalog.profiles import PROFILES, Mean, get_profile
 
 BF = torch.bfloat16
 EPS = 1e-6

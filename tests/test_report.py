@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 import pytest
 from report_runs import call, write_file_run, write_tensorboard_run
 
-from rlalign_verl.report.runs import load_run
+from rlalign_verl.tools.report.runs import load_run
 
 pytest.importorskip("verl.utils.tracking")
 pytest.importorskip("tensorboard")

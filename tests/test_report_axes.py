@@ -7,8 +7,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rlalign_verl.report.page import PANELS, plot_panel  # noqa: E402
-from rlalign_verl.report.runs import Run  # noqa: E402
+from rlalign_verl.tools.report.page import PANELS, plot_panel  # noqa: E402
+from rlalign_verl.tools.report.runs import Run  # noqa: E402
 
 RATIO = next(p for p in PANELS if p.name == "ratio_extremes")
 

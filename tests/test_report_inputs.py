@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from report_runs import call
 
-from rlalign_verl.report.runs import load_run
+from rlalign_verl.tools.report.runs import load_run
 
 HEADLINE = "mismatch/logp_abs_diff_mean"
 

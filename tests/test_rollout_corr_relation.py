@@ -1,6 +1,6 @@
 """``mismatch/kl_k1`` / ``kl_k3`` against verl's ``rollout_corr/kl`` / ``rollout_corr/k3_kl``.
 
-Both are computed from the same tensors: ours with :func:`rlalign_verl.metrics.compute_mismatch_metrics`,
+Both are computed from the same tensors: ours with :func:`rlalign_verl.measure.metrics.compute_mismatch_metrics`,
 verl's with its real ``compute_offpolicy_metrics`` (``verl/trainer/ppo/rollout_corr_helper.py``), which
 feeds ``rollout_corr/*`` when rollout correction is on. docs/metrics.md states the correspondence:
 same estimators, same sign (both estimate KL(pi_rollout || pi_train); k1 = mean(log pi_rollout - log
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from rlalign_verl.metrics import compute_mismatch_metrics
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
 
 pytestmark = pytest.mark.verl
 

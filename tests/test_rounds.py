@@ -1,14 +1,14 @@
-"""Multi-turn rounds and token identity (rlalign_verl.rounds): exact values on hand-built batches."""
+"""Multi-turn rounds and token identity (rlalign_verl.measure.turns): exact values on hand-built batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlalign_verl.doctor import Doctor
-from rlalign_verl.errors import MetricsInputError
-from rlalign_verl.metrics import compute_mismatch_metrics
-from rlalign_verl.rounds import (
+from rlalign_verl.base.errors import MetricsInputError
+from rlalign_verl.measure.doctor import Doctor
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
+from rlalign_verl.measure.turns import (
     MAX_ROUNDS,
     ROUND_KEYS,
     round_findings,

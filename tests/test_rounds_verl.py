@@ -11,7 +11,7 @@ from callback_steps import read_jsonl, step_tensors, train_log_probs  # noqa: E4
 from verl import DataProto  # noqa: E402
 from verl.utils.tracking import Tracking  # noqa: E402
 
-from rlalign_verl.doctor import Doctor  # noqa: E402
+from rlalign_verl.measure.doctor import Doctor  # noqa: E402
 from rlalign_verl.verl.doctor_step import doctor_step  # noqa: E402
 
 pytestmark = pytest.mark.verl

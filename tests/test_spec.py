@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlalign_verl.errors import (
+from rlalign_verl.base.errors import (
     AlignmentError,
     ConfigFormatError,
     ProfileMismatchError,
@@ -23,8 +23,8 @@ from rlalign_verl.errors import (
     one_line,
 )
 from rlalign_verl.openrlhf.settings import Settings, parse_launcher_args
-from rlalign_verl.spec import AlignmentSpec, DoctorSpec, Experimental, VerifySpec
-from rlalign_verl.spec_checks import validate_request
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec, DoctorSpec, Experimental, VerifySpec
 
 
 def _hydra(node: dict) -> AlignmentSpec:
@@ -226,7 +226,7 @@ def test_no_env_var_overrides_what_the_request_says(monkeypatch: pytest.MonkeyPa
 
 
 def test_diagnose_settings_parse_through_the_spec() -> None:
-    from rlalign_verl.diagnose.options import parse_settings
+    from rlalign_verl.tools.diagnose.options import parse_settings
 
     assert parse_settings("none,rope+swiglu,all,all+moe") == [
         ("none", ()),

@@ -1,4 +1,4 @@
-"""One input check for every public function taking log-probs and a mask (rlalign_verl.tensor_inputs).
+"""One input check for every public function taking log-probs and a mask (rlalign_verl.measure.tensor_inputs).
 
 Each hostile input goes to each entry point and must come back as the same typed error, one line naming what is
 wrong and the fix; valid inputs must give the very same numbers with the check as without it; non-finite
@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign_verl import doctor, metrics, rounds, tensor_inputs, verify
-from rlalign_verl.doctor import Doctor, signatures
-from rlalign_verl.errors import AlignmentError, MetricsInputError, one_line
-from rlalign_verl.metrics import compute_mismatch_metrics
+from rlalign_verl.base.errors import AlignmentError, MetricsInputError, one_line
+from rlalign_verl.measure import doctor, metrics, tensor_inputs, verify
+from rlalign_verl.measure import turns as rounds
+from rlalign_verl.measure.doctor import Doctor, signatures
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
+from rlalign_verl.measure.turns import round_index, round_metrics, unexplained_mask
+from rlalign_verl.measure.verify import compare, ladder_metrics
 from rlalign_verl.openrlhf.experience_metrics import step_mismatch_metrics as openrlhf_step_metrics
-from rlalign_verl.rounds import round_index, round_metrics, unexplained_mask
-from rlalign_verl.verify import compare, ladder_metrics
 
 B, T = 6, 10
 
@@ -237,7 +238,7 @@ def test_the_tolerance_is_in_one_place_and_lets_rounding_through() -> None:
 
 
 def test_openrlhf_step_metrics_warn_and_go_on(monkeypatch) -> None:
-    from rlalign_verl import log
+    from rlalign_verl.base import log
     from rlalign_verl.openrlhf.setup import add_step_metrics
 
     monkeypatch.setattr(log, "_warned", set())
@@ -258,7 +259,7 @@ def test_openrlhf_step_metrics_warn_and_go_on(monkeypatch) -> None:
 
 
 def test_verl_doctor_step_and_verify_guard_warn_and_go_on(monkeypatch) -> None:
-    from rlalign_verl import log
+    from rlalign_verl.base import log
     from rlalign_verl.verl.doctor_step import doctor_step
     from rlalign_verl.verl.verify_run import guarded
 

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from rlalign_verl.diagnose.tiny import (
+from rlalign_verl.base.errors import UnsupportedModelError
+from rlalign_verl.tools.diagnose.tiny import (
     SPECS,
     TINY_ARCHS,
     build_tiny_checkpoint,
     checkpoint_digest,
     tiny_prompts,
 )
-from rlalign_verl.errors import UnsupportedModelError
 
 VLLM_CPU_HEAD_DIMS = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 

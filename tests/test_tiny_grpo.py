@@ -1,10 +1,10 @@
-"""Inputs of the tiny CPU GRPO run: the rule reward and the prompt rows (``rlalign_verl.verl.tiny_grpo``)."""
+"""Inputs of the tiny CPU GRPO run: the rule reward and the prompt rows (``rlalign_verl.tools.tiny_grpo``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlalign_verl.verl.tiny_grpo import compute_score, make_rows
+from rlalign_verl.tools.tiny_grpo import compute_score, make_rows
 
 
 def test_reward_rewards_copying_and_is_dense():

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign_verl.diagnose.pipeline import load_hf, recompute
-from rlalign_verl.patch import apply_alignment, remove_alignment
+from rlalign_verl.align.patch import apply_alignment, remove_alignment
+from rlalign_verl.tools.diagnose.pipeline import load_hf, recompute
 
 pytestmark = pytest.mark.engine
 
@@ -48,8 +48,8 @@ def test_tp2_ladder_with_tp_is_exactly_zero(engine_rollouts, mode):
 
 
 def test_diagnose_reads_the_tp_size_from_the_dump(engine_rollouts, tmp_path):
-    from rlalign_verl.diagnose.command import diagnose
-    from rlalign_verl.diagnose.options import DiagnoseOptions
+    from rlalign_verl.tools.diagnose.command import diagnose
+    from rlalign_verl.tools.diagnose.options import DiagnoseOptions
 
     run = engine_rollouts("qwen2", "compiled", tp=2)
     result = diagnose(

@@ -15,15 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from rlalign_verl import apply_alignment, remove_alignment
-from rlalign_verl.diagnose.ladder import plan
-from rlalign_verl.doctor_findings import rollout_tp_line
-from rlalign_verl.errors import AlignmentError, ComputeDtypeError, ConfigFormatError, UnsupportedModelError
-from rlalign_verl.profiles import PROFILES, get_profile
-from rlalign_verl.profiles_tp import TpReduction
-from rlalign_verl.regions.inductor_norm import stores_sum
-from rlalign_verl.regions.tp import row_parallel_linear
-from rlalign_verl.spec import AlignmentSpec
-from rlalign_verl.verify import ladder_rungs
+from rlalign_verl.align.regions.inductor_norm import stores_sum
+from rlalign_verl.align.regions.tp import row_parallel_linear
+from rlalign_verl.base.errors import (
+    AlignmentError,
+    ComputeDtypeError,
+    ConfigFormatError,
+    UnsupportedModelError,
+)
+from rlalign_verl.catalog.profiles import PROFILES, get_profile
+from rlalign_verl.catalog.profiles_tp import TpReduction
+from rlalign_verl.measure.verify import ladder_rungs
+from rlalign_verl.request.findings import rollout_tp_line
+from rlalign_verl.request.spec import AlignmentSpec
+from rlalign_verl.tools.diagnose.ladder import plan
 
 BF = torch.bfloat16
 FP32_ONCE = TpReduction(accumulate="fp32", order="rank", store="nearest", sizes=(2, 4, 8), beyond="")
@@ -232,7 +237,7 @@ def test_lora_wrapped_projections_are_refused_not_dropped():
 
 
 def test_tp_on_moe_models_is_refused():
-    from rlalign_verl.spec_checks import validate_request
+    from rlalign_verl.request.checks import validate_request
 
     spec = AlignmentSpec.parse(regions="tp", engine="vllm-cpu", rollout_tp=2)
     with pytest.raises(UnsupportedModelError, match="experts under the engine's TP/EP layout"):
@@ -240,7 +245,7 @@ def test_tp_on_moe_models_is_refused():
 
 
 def test_a_hand_set_rollout_tp_is_refused_on_the_driver_surfaces():
-    from rlalign_verl.spec import refuse_resolved_keys
+    from rlalign_verl.request.spec import refuse_resolved_keys
 
     for spelling, key in (("hydra", "alignment.rollout_tp"), ("flag", "--alignment.rollout_tp")):
         with pytest.raises(
@@ -300,7 +305,7 @@ def test_verify_ladder_and_doctor_name_tp():
     assert line and "tensor parallel 2" in line and "add tp to alignment.regions" in line and "\n" not in line
     assert rollout_tp_line(2, spec.regions) is None and rollout_tp_line(1, ("rope",)) is None
     assert rollout_tp_line(4, ()) is None  # alignment off: nothing to add to
-    from rlalign_verl.doctor_findings import tp_unmodelled_line
+    from rlalign_verl.request.findings import tp_unmodelled_line
 
     cuda = tp_unmodelled_line(get_profile("vllm"), 4, ("tp",))
     assert cuda and "AllReduceFusionPass" in cuda and "UNVERIFIED at TP=4" in cuda and "\n" not in cuda
@@ -320,7 +325,7 @@ def test_the_gpu_profiles_reduce_as_their_custom_all_reduce(profile):
 
 
 def test_rlalign_verl_profiles_says_how_each_profile_reduces(capsys):
-    from rlalign_verl.cli import main
+    from rlalign_verl.tools.cli import main
 
     assert main(["profiles"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "rollout TP > 1 (the tp region)" in ln]

@@ -14,7 +14,7 @@ pytest.importorskip("verl")
 from callback_steps import step_tensors, train_log_probs, verl_config  # noqa: E402
 from verl import DataProto  # noqa: E402
 
-from rlalign_verl.errors import AlignmentError  # noqa: E402
+from rlalign_verl.base.errors import AlignmentError  # noqa: E402
 from rlalign_verl.verl import trainer_callback as tc  # noqa: E402
 
 pytestmark = pytest.mark.verl
@@ -40,7 +40,7 @@ def _broken_batches():
     "case", ["missing rollout_log_probs", "shape mismatch", "no mask", "not a DataProto"]
 )
 def test_broken_input_warns_once_and_returns_nothing(base_config, warnings_log, case, monkeypatch):
-    from rlalign_verl import log
+    from rlalign_verl.base import log
 
     monkeypatch.setattr(log, "_warned", set())
     batch, words = _broken_batches()[case]
@@ -58,7 +58,7 @@ def test_impossible_values_skip_the_metrics_not_the_step(
     base_config, warnings_log, monkeypatch, field, value, words
 ):
     """A refused input (a soft mask, probabilities for log-probs) never reaches the dashboard as numbers."""
-    from rlalign_verl import log
+    from rlalign_verl.base import log
 
     monkeypatch.setattr(log, "_warned", set())
     data = step_tensors(3)

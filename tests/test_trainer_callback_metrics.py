@@ -89,7 +89,7 @@ def test_step_metrics_options_from_config(base_config):
 
 def test_the_request_is_read_once_per_run_not_every_step(base_config, monkeypatch):
     """Validated once: the driver's resolved spec is parsed on the first step and reused at every later one."""
-    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.request.spec import AlignmentSpec
     from rlalign_verl.verl.config import write_worker_spec
 
     data = step_tensors(7)

@@ -1,4 +1,4 @@
-"""The optional Triton kernels (rlalign_verl.kernels) are bit-equal to the PyTorch region functions.
+"""The optional Triton kernels (rlalign_verl.align.kernels) are bit-equal to the PyTorch region functions.
 
 On CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess because the
 variable is read when Triton is imported); on a GPU they run compiled (``gpu`` tests).
@@ -17,11 +17,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from rlalign_verl import kernels  # noqa: E402
-from rlalign_verl.profiles import RopeRounding, SwigluRounding  # noqa: E402
-from rlalign_verl.regions._precision import rnd  # noqa: E402
-from rlalign_verl.regions.rope import apply_rope, rope_table  # noqa: E402
-from rlalign_verl.regions.swiglu import swiglu  # noqa: E402
+from rlalign_verl.align import kernels  # noqa: E402
+from rlalign_verl.align.regions._precision import rnd  # noqa: E402
+from rlalign_verl.align.regions.rope import apply_rope, rope_table  # noqa: E402
+from rlalign_verl.align.regions.swiglu import swiglu  # noqa: E402
+from rlalign_verl.catalog.profiles import RopeRounding, SwigluRounding  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject markers)
 
@@ -29,11 +29,11 @@ pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject mar
 _INTERPRETED = textwrap.dedent(
     """
     import json, torch
-    from rlalign_verl.kernels import rope_forward, swiglu_forward
-    from rlalign_verl.profiles import RopeRounding, SwigluRounding
-    from rlalign_verl.regions._precision import rnd
-    from rlalign_verl.regions.rope import apply_rope, rope_table
-    from rlalign_verl.regions.swiglu import swiglu
+    from rlalign_verl.align.kernels import rope_forward, swiglu_forward
+    from rlalign_verl.catalog.profiles import RopeRounding, SwigluRounding
+    from rlalign_verl.align.regions._precision import rnd
+    from rlalign_verl.align.regions.rope import apply_rope, rope_table
+    from rlalign_verl.align.regions.swiglu import swiglu
 
     def same(a, b):
         w = torch.int16 if a.dtype in (torch.bfloat16, torch.float16) else torch.int32

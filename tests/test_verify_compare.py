@@ -1,4 +1,4 @@
-"""The in-run verification's statistics and verdict policy on known inputs (rlalign_verl.verify / verify_policy)."""
+"""The in-run verification's statistics and verdict policy on known inputs (rlalign_verl.measure.verify / verify_policy)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from rlalign_verl.spec import AlignmentSpec
-from rlalign_verl.verify import GAIN_CAP, VerifyFailedError, compare
-from rlalign_verl.verify_policy import act_on
+from rlalign_verl.measure.verify import GAIN_CAP, VerifyFailedError, compare
+from rlalign_verl.measure.verify_policy import act_on
+from rlalign_verl.request.spec import AlignmentSpec
 
 
 def _passes(seed: int, seqs: int, aligned_scale: float, tokens: int = 24):

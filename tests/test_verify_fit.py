@@ -15,7 +15,7 @@ pytest.importorskip("verl")
 from callback_steps import read_jsonl  # noqa: E402
 from fit_harness import STEPS, fit_config, legacy_trainer, v1_trainer  # noqa: E402
 
-from rlalign_verl.verify import VerifyFailedError  # noqa: E402
+from rlalign_verl.measure.verify import VerifyFailedError  # noqa: E402
 
 pytestmark = pytest.mark.verl
 pytest_plugins = ["callback_steps", "fit_harness"]

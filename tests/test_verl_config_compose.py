@@ -10,7 +10,7 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_module  # noqa: E402
 from verl_configs import compose_ours, compose_verl, resolved, run_driver  # noqa: E402
 
-from rlalign_verl.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
+from rlalign_verl.request.spec import RESOLVED_KEYS, AlignmentSpec  # noqa: E402
 
 pytestmark = pytest.mark.verl
 

@@ -9,7 +9,7 @@ pytest.importorskip("hydra")
 
 from verl_configs import compose_ours  # noqa: E402
 
-from rlalign_verl.errors import ProfileMismatchError  # noqa: E402
+from rlalign_verl.base.errors import ProfileMismatchError  # noqa: E402
 from rlalign_verl.verl.config import choose_profile, read_spec, resolve_spec, would_use_profile  # noqa: E402
 
 pytestmark = pytest.mark.verl

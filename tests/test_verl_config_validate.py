@@ -12,8 +12,8 @@ pytest.importorskip("hydra")
 
 from verl_configs import ENTRY_DRIVER, GRPO_MINIMAL, cases, compose_ours, resolved, run_driver, valid_config  # noqa: E402
 
-from rlalign_verl.errors import LigerConflictError, ProfileMismatchError  # noqa: E402
-from rlalign_verl.spec import AlignmentSpec  # noqa: E402
+from rlalign_verl.base.errors import LigerConflictError, ProfileMismatchError  # noqa: E402
+from rlalign_verl.request.spec import AlignmentSpec  # noqa: E402
 from rlalign_verl.verl.config import validate_config  # noqa: E402
 
 pytestmark = pytest.mark.verl
@@ -146,7 +146,7 @@ def test_a_cuda_profile_is_refused_for_cpu_workers(qwen2_path, profile):
 )
 def test_a_missing_model_path_is_refused_before_ray(qwen2_path, path, words):
     """An aligned run needs the checkpoint's model type: an unset or absent local model.path stops the driver."""
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
 
     with pytest.raises(AlignmentError) as info:
         validate_config(valid_config(qwen2_path, f"actor_rollout_ref.model.path={path}"), on_cuda=False)

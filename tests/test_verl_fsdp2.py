@@ -61,7 +61,7 @@ def _child(paths: dict[str, str]) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlalign_verl.patch import apply_alignment, get_alignment
+    from rlalign_verl.align.patch import apply_alignment, get_alignment
 
     mesh, mp = init_gloo_fsdp()
     ids = torch.randint(3, 1000, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -185,7 +185,7 @@ def _engine_child(model_path: str) -> None:
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
-    from rlalign_verl.patch import apply_alignment, get_alignment, remove_alignment
+    from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alignment
 
     # CPU-only tweaks of values verl hardcodes for GPUs: no pinned memory, no rank-0 broadcast.
     class _UnpinnedOffload(impl.CPUOffloadPolicy):
@@ -215,8 +215,8 @@ def _engine_child(model_path: str) -> None:
 
     verl_model.load_valuehead_model = _value_model_sdpa
 
-    from rlalign_verl.patch import alignment_variant
-    from rlalign_verl.spec import AlignmentSpec
+    from rlalign_verl.align.patch import alignment_variant
+    from rlalign_verl.request.spec import AlignmentSpec
 
     alignment = {"rlalign_spec": AlignmentSpec.parse({"regions": "all", "engine": "vllm-cpu"}).to_json()}
     ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))

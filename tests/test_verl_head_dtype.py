@@ -10,8 +10,8 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from rlalign_verl.spec import AlignmentSpec  # noqa: E402
-from rlalign_verl.spec_checks import AttentionUnsupportedError, HeadDtypeError  # noqa: E402
+from rlalign_verl.request.checks import AttentionUnsupportedError, HeadDtypeError  # noqa: E402
+from rlalign_verl.request.spec import AlignmentSpec  # noqa: E402
 from rlalign_verl.verl.config import validate_config  # noqa: E402
 
 pytestmark = pytest.mark.verl

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from rlalign_verl.errors import AlignmentError
+from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.verl import model_hook
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from rlalign_verl.spec import AlignmentSpec
+from rlalign_verl.request.spec import AlignmentSpec
 
 
 def _hf_model(path: str, spec: dict | None = None, **attrs):
@@ -21,7 +21,7 @@ def _hf_model(path: str, spec: dict | None = None, **attrs):
 
 
 def test_align_module_gates_on_the_spec(qwen2_path, caplog):
-    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.align.patch import get_alignment
     from rlalign_verl.verl.log import logger
     from rlalign_verl.verl.model_hook import align_module
 
@@ -48,7 +48,7 @@ def test_align_module_gates_on_the_spec(qwen2_path, caplog):
 
 
 def test_old_release_attributes_are_said_and_ignored(qwen2_path, caplog):
-    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.align.patch import get_alignment
     from rlalign_verl.verl.log import logger
     from rlalign_verl.verl.model_hook import align_module
 
@@ -63,7 +63,7 @@ def test_old_release_attributes_are_said_and_ignored(qwen2_path, caplog):
 
 
 def test_align_module_fails_loudly(qwen2_path):
-    from rlalign_verl.errors import ConfigFormatError
+    from rlalign_verl.base.errors import ConfigFormatError
     from rlalign_verl.verl.model_hook import align_module
 
     model = _hf_model(qwen2_path)
@@ -74,8 +74,8 @@ def test_align_module_fails_loudly(qwen2_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only worker")
 def test_align_module_checks_the_profile_against_the_worker_device(qwen2_path):
-    from rlalign_verl.errors import ProfileMismatchError
-    from rlalign_verl.patch import get_alignment
+    from rlalign_verl.align.patch import get_alignment
+    from rlalign_verl.base.errors import ProfileMismatchError
     from rlalign_verl.verl.model_hook import align_module
 
     with pytest.raises(ProfileMismatchError, match="CPU-only worker; use alignment.engine=vllm-cpu"):

@@ -76,7 +76,7 @@ def test_plugin_import_is_light():
 
 
 def test_when_imported_fires_after_module_body(tmp_path, monkeypatch):
-    from rlalign_verl.verl.import_hooks import pending, when_imported
+    from rlalign_verl.base.import_hooks import pending, when_imported
 
     pkg = tmp_path / "rlv_hook_pkg"
     pkg.mkdir()

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..doctor_findings import Finding, raise_or_lines, settle
-from .flags import spellings
-from .settings import flag_value, rollout_logprobs_requested, switch_on
+from rlalign_verl.openrlhf.flags import spellings
+from rlalign_verl.openrlhf.settings import flag_value, rollout_logprobs_requested, switch_on
+from rlalign_verl.request.findings import Finding, raise_or_lines, settle
 
 __all__ = ["confounders", "check"]
 
@@ -114,5 +114,5 @@ def confounders(
 def check(
     argv: Sequence[str], *, collect_rollout_logprobs: bool, allow: Iterable[str] | None = ()
 ) -> list[str]:
-    """Raise :class:`~rlalign_verl.doctor_findings.DoctorConfigError` for an unacknowledged error; else the warnings."""
+    """Raise :class:`~rlalign_verl.request.findings.DoctorConfigError` for an unacknowledged error; else the warnings."""
     return raise_or_lines(confounders(argv, collect_rollout_logprobs=collect_rollout_logprobs, allow=allow))

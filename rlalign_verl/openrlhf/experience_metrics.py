@@ -3,7 +3,7 @@
 After ``RemoteExperienceMaker.make_experience_batch`` every experience holds the training side's
 recomputed log-probs (``action_log_probs``), the vLLM rollout log-probs (``rollout_log_probs``, present
 when vLLM was asked for them) and ``action_mask``. The metrics are computed once over *all*
-experiences of the step with :func:`rlalign_verl.metrics.compute_mismatch_metrics` and attached to
+experiences of the step with :func:`rlalign_verl.measure.metrics.compute_mismatch_metrics` and attached to
 each experience as a per-sample ``(B,)`` tensor in ``experience.info``.
 
 How OpenRLHF reduces them: ``PolicyModelActor.ppo_train`` treats every ``(B,)`` info tensor as a
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..metrics import compute_mismatch_metrics
-from ..tensor_inputs import check_structure
+from rlalign_verl.measure.metrics import compute_mismatch_metrics
+from rlalign_verl.measure.tensor_inputs import check_structure
 
 
 def pad_cat(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -38,8 +38,8 @@ def step_mismatch_metrics(
     """The ``mismatch/*`` statistics over all ``experiences`` of one step.
 
     ``None`` when no experience carries rollout log-probs (vLLM was not asked for them). Raises
-    :class:`~rlalign_verl.errors.MetricsInputError` (a ``ValueError``) on malformed inputs
-    (:func:`step_tensors`, :func:`~rlalign_verl.tensor_inputs.check_log_probs`).
+    :class:`~rlalign_verl.base.errors.MetricsInputError` (a ``ValueError``) on malformed inputs
+    (:func:`step_tensors`, :func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`).
     """
     usable = [
         e
@@ -58,7 +58,7 @@ def step_mismatch_metrics(
 def step_tensors(usable: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(trainer log-probs, rollout log-probs, mask)`` of the step, right-padded to one width (float32).
 
-    Each experience's tensors are checked first (:func:`~rlalign_verl.tensor_inputs.check_structure`: tensors of
+    Each experience's tensors are checked first (:func:`~rlalign_verl.measure.tensor_inputs.check_structure`: tensors of
     one 2-D shape, floating-point log-probs), before the float32 padding could hide token ids; the values are
     checked on the padded step by the metrics.
     """

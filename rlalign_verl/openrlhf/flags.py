@@ -13,7 +13,7 @@ import importlib.util
 import re
 from collections.abc import Sequence
 
-from ..errors import ConfigFormatError
+from rlalign_verl.base.errors import ConfigFormatError
 
 # setting -> its spellings, newest first (dotted names of OpenRLHF >= 0.10, then older flat names)
 FLAG_TABLE: dict[str, tuple[str, ...]] = {

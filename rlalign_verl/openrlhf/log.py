@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import log
+from rlalign_verl.base import log
 
 logger = log.visible_logger("rlalign_verl.openrlhf")
 

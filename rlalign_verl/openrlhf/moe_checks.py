@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .flags import spellings
+from rlalign_verl.openrlhf.flags import spellings
 
 
 def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
@@ -38,7 +38,7 @@ def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
 
 def moe_model_type(argv: Sequence[str]) -> str | None:
     """The model type of a local MoE checkpoint given to OpenRLHF, else None (dense, remote or unreadable)."""
-    from ..families import FAMILIES
+    from rlalign_verl.catalog.families import FAMILIES
 
     model_type = local_model_type(argv)
     return model_type if model_type is not None and FAMILIES[model_type].experts is not None else None
@@ -46,7 +46,7 @@ def moe_model_type(argv: Sequence[str]) -> str | None:
 
 def local_model_type(argv: Sequence[str]) -> str | None:
     """The model type of a local checkpoint of a supported family given to OpenRLHF, else None."""
-    from ..families import FAMILIES
+    from rlalign_verl.catalog.families import FAMILIES
 
     path = _flag(argv, spellings("model_path"))
     config = Path(path).expanduser() / "config.json" if path else None

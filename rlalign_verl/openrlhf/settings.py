@@ -1,6 +1,6 @@
 """The OpenRLHF plugin's settings: launcher flags in, one env var out (read back in every Ray worker).
 
-The alignment request is the same :class:`~rlalign_verl.spec.AlignmentSpec` verl builds, written as flags
+The alignment request is the same :class:`~rlalign_verl.request.spec.AlignmentSpec` verl builds, written as flags
 (stripped from argv before OpenRLHF's own parser sees it):
 
 ``--alignment.regions``  comma list of rope, swiglu, rmsnorm (all = the three; + opt-in attention, moe). Default none.
@@ -34,13 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AlignmentError, ConfigFormatError, ProfileMismatchError
-from ..options import parse_bool
-from ..profiles import get_profile
-from ..spec import AlignmentSpec, refuse_resolved_keys
-from ..spec_checks import validate_request
-from .flags import check_spellings, spellings
-from .moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
+from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, ProfileMismatchError
+from rlalign_verl.base.options import parse_bool
+from rlalign_verl.catalog.profiles import get_profile
+from rlalign_verl.openrlhf.flags import check_spellings, spellings
+from rlalign_verl.openrlhf.moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec, refuse_resolved_keys
 
 ENV = "RLALIGN_OPENRLHF"
 """The one env var carrying the launcher's settings (JSON) to every Ray worker."""
@@ -277,7 +277,7 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], str | None, list[st
 def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     """Split ``argv`` into the plugin's settings and OpenRLHF's own flags; validate the settings.
 
-    Every bad setting raises one :class:`~rlalign_verl.errors.AlignmentError` line naming the fix, before
+    Every bad setting raises one :class:`~rlalign_verl.base.errors.AlignmentError` line naming the fix, before
     anything starts.
     """
     values, address, rest = split_argv(argv)

@@ -8,9 +8,9 @@ idempotent and does, depending on the settings:
 - regions set: wraps ``openrlhf.models.actor.Actor.__init__``. OpenRLHF builds the policy, the reference
   and the EMA model with this class (critic and reward models use another builder and stay as they
   are); after the original ``__init__`` has loaded the HF model, and before DeepSpeed wraps it, the
-  model is aligned with :func:`rlalign_verl.patch.apply_alignment`. One log line per aligned model.
+  model is aligned with :func:`rlalign_verl.align.patch.apply_alignment`. One log line per aligned model.
   Before the checkpoint loads, the profile is checked against the worker's device
-  (:func:`placed_profile`, :mod:`rlalign_verl.placement`).
+  (:func:`placed_profile`, :mod:`rlalign_verl.catalog.placement`).
   ``use_liger_kernel=True`` is refused (``LigerConflictError``).
 - metrics on: wraps ``RemoteExperienceMaker.make_experience_batch`` to add the ``mismatch/*`` metrics
   (:mod:`rlalign_verl.openrlhf.experience_metrics`). Any failure there is a warning, never an error.
@@ -30,12 +30,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..errors import LigerConflictError
-from ..spec_checks import validate_request
-from ..verl.import_hooks import when_imported
-from ..wrap_once import wrap_once
-from .log import logger, warn_once
-from .settings import ROLLOUT, Settings, get_arg
+from rlalign_verl.base.errors import LigerConflictError
+from rlalign_verl.base.import_hooks import when_imported
+from rlalign_verl.base.wrap_once import wrap_once
+from rlalign_verl.openrlhf.log import logger, warn_once
+from rlalign_verl.openrlhf.settings import ROLLOUT, Settings, get_arg
+from rlalign_verl.request.checks import validate_request
 
 HOOK = "rlalign_verl.openrlhf.setup.install"
 """The ``worker_process_setup_hook`` string the launcher hands to Ray."""
@@ -137,8 +137,8 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
 
     ``profile``: the one :func:`placed_profile` settled for this worker (default: checked here).
     """
-    from ..patch import apply_alignment, get_alignment
-    from ..placement import worker_device_type
+    from rlalign_verl.align.patch import apply_alignment, get_alignment
+    from rlalign_verl.catalog.placement import worker_device_type
 
     model = actor.model
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -157,7 +157,7 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
 
 
 def _patch_actor(module: ModuleType) -> None:
-    from .verify import wrap_actor_forward
+    from rlalign_verl.openrlhf.verify import wrap_actor_forward
 
     wrap_once(module.Actor, "__init__", _aligning_init)
     wrap_once(module.Actor, "forward", wrap_actor_forward)  # verify passes: alignment switched off on request
@@ -182,7 +182,7 @@ def _aligning_init(original: Callable[..., None]) -> Callable[..., None]:
                 "kernels replace the RoPE/RMSNorm/SwiGLU forwards that alignment patches; drop "
                 "--ds.use_liger_kernel or turn alignment off (--alignment.regions none)"
             )
-        from ..placement import worker_device_type
+        from rlalign_verl.catalog.placement import worker_device_type
 
         profile = placed_profile(settings, worker_device_type())  # before the checkpoint loads
         original(self, *args, **kwargs)
@@ -204,7 +204,7 @@ def _clip_range(args: Any) -> tuple[float, float]:
 
 def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
     """Compute and attach the step's ``mismatch/*`` metrics; warn (never raise) on any failure."""
-    from .experience_metrics import attach_metrics, step_mismatch_metrics
+    from rlalign_verl.openrlhf.experience_metrics import attach_metrics, step_mismatch_metrics
 
     try:
         low, high = _clip_range(args)
@@ -230,10 +230,10 @@ _doctor_steps = 0
 
 
 def _add_doctor_metrics(experiences: list, args: Any) -> dict[str, float]:
-    """``mismatch/doctor/*`` (:mod:`rlalign_verl.doctor`) on the experiences, and its lines; never raises."""
+    """``mismatch/doctor/*`` (:mod:`rlalign_verl.measure.doctor`) on the experiences, and its lines; never raises."""
     global _doctor, _doctor_steps
-    from ..doctor import Doctor
-    from .experience_metrics import attach_metrics, step_doctor_metrics
+    from rlalign_verl.measure.doctor import Doctor
+    from rlalign_verl.openrlhf.experience_metrics import attach_metrics, step_doctor_metrics
 
     try:
         if _doctor is None:
@@ -260,9 +260,9 @@ def add_verify_metrics(maker: Any, experiences: list) -> dict[str, float]:
     A failure warns and skips the check; a separated "worse" under ``on_worse=stop`` stops the run (raises).
     """
     global _verifier, _steps
-    from ..verify import VerifyFailedError
-    from .experience_metrics import attach_metrics
-    from .verify import start, verify_step
+    from rlalign_verl.measure.verify import VerifyFailedError
+    from rlalign_verl.openrlhf.experience_metrics import attach_metrics
+    from rlalign_verl.openrlhf.verify import start, verify_step
 
     _steps += 1
     try:

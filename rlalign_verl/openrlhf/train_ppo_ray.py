@@ -25,11 +25,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import exit_on_error
-from . import settings as settings_mod
-from .log import logger, warn_once
-from .settings import LaunchOptions, Settings, flag_value, parse_launcher_args, rollout_logprobs_requested
-from .setup import HOOK, install
+from rlalign_verl.base.errors import exit_on_error
+from rlalign_verl.openrlhf import settings as settings_mod
+from rlalign_verl.openrlhf.log import logger, warn_once
+from rlalign_verl.openrlhf.settings import (
+    LaunchOptions,
+    Settings,
+    flag_value,
+    parse_launcher_args,
+    rollout_logprobs_requested,
+)
+from rlalign_verl.openrlhf.setup import HOOK, install
 
 OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
 
@@ -94,8 +100,8 @@ def _check_confounders(options: LaunchOptions) -> None:
     spec = options.settings.spec
     if not spec.doctor.enable:
         return
-    from ..doctor_findings import tp_lines
-    from .doctor_flags import check
+    from rlalign_verl.openrlhf.doctor_flags import check
+    from rlalign_verl.request.findings import tp_lines
 
     collect = options.settings.collect_rollout_logprobs
     lines = check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow)

@@ -4,7 +4,7 @@ OpenRLHF's experience maker (in the PPO trainer's Ray actor) computes the policy
 ``actor_model_group.async_run_method_batch(method_name="forward", ...)``: every model actor (DeepSpeed rank)
 runs ``Actor.forward`` on its chunk. At a verify step the plugin asks the same group for the same forward again
 after switching every model actor to a verify rung (:func:`set_rung`, run in each actor with Ray's
-``__ray_call__``; the ``Actor.forward`` wrapper then runs under :func:`~rlalign_verl.patch.alignment_variant`), and
+``__ray_call__``; the ``Actor.forward`` wrapper then runs under :func:`~rlalign_verl.align.patch.alignment_variant`), and
 switches them back afterwards. The samples are OpenRLHF's own micro-batches, so the pair shares its micro-batching.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from ..fingerprint import EngineFingerprint, fingerprint_for, unverified_line
-from ..verify import compare, ladder_metrics, ladder_rungs
-from ..verify_policy import Verifier
-from .experience_metrics import pad_cat
-from .log import logger
-from .settings import ROLLOUT, Settings
+from rlalign_verl.catalog.fingerprint import EngineFingerprint, fingerprint_for, unverified_line
+from rlalign_verl.measure.verify import compare, ladder_metrics, ladder_rungs
+from rlalign_verl.measure.verify_policy import Verifier
+from rlalign_verl.openrlhf.experience_metrics import pad_cat
+from rlalign_verl.openrlhf.log import logger
+from rlalign_verl.openrlhf.settings import ROLLOUT, Settings
 
 _RUNG: str | None = None
 """This model actor's verify rung while a verify pass runs (``"none"``, ``"rope"``, ...); ``None`` otherwise."""
@@ -41,7 +41,7 @@ def wrap_actor_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _RUNG is None:
             return original(self, *args, **kwargs)
-        from ..patch import alignment_variant
+        from rlalign_verl.align.patch import alignment_variant
 
         with alignment_variant(self.model, _RUNG):
             return original(self, *args, **kwargs)
@@ -54,7 +54,7 @@ def start(settings: Settings) -> Verifier | None:
     spec = settings.spec
     if not spec.regions:
         return None
-    from ..profiles import get_profile
+    from rlalign_verl.catalog.profiles import get_profile
 
     try:  # the launcher's profile: OpenRLHF samples with vLLM on GPUs (vllm / vllm-eager) unless set explicitly
         profile = get_profile(spec.engine)

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigFormatError
+from rlalign_verl.base.errors import ConfigFormatError
 
 SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
 """The override that makes verl's own entry point find the ``alignment`` config group."""
@@ -84,7 +84,7 @@ def local_config_json(path: Any) -> str | None:
 def check_override_spellings(argv: list[str]) -> None:
     """Refuse, naming the new key, a command-line override of an ``alignment`` key that moved under
     ``alignment.experimental`` (Hydra itself would only say the key is not in the struct)."""
-    from ..spec import MOVED, key_name
+    from rlalign_verl.request.spec import MOVED, key_name
 
     for arg in argv:
         name, eq, _ = arg.lstrip("+~").partition("=")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigFormatError
-from .checks import json_setting
+from rlalign_verl.base.errors import ConfigFormatError
+from rlalign_verl.verl.checks import json_setting
 
 # The CustomOp names whose CUDA/C++ kernels replace the three regions' native forwards in vLLM.
 REGION_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")

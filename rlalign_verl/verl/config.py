@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import AlignmentError, ProfileMismatchError
-from ..options import option_bool
-from ..spec import AlignmentSpec, refuse_resolved_keys
-from ..spec_checks import validate_request
-from .cfg import select
-from .checks import check_alignment_node, local_config_json, read_config_json
-from .compilation import REGION_OPS, compile_disabled, custom_ops_of, kernels_on
-from .log import logger
-from .wire import OVERRIDE_PATH, SPEC_KEY
+from rlalign_verl.base.errors import AlignmentError, ProfileMismatchError
+from rlalign_verl.base.options import option_bool
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec, refuse_resolved_keys
+from rlalign_verl.verl.checks import check_alignment_node, local_config_json, read_config_json
+from rlalign_verl.verl.compilation import REGION_OPS, compile_disabled, custom_ops_of, kernels_on
+from rlalign_verl.verl.config_access import select
+from rlalign_verl.verl.log import logger
+from rlalign_verl.verl.transport import OVERRIDE_PATH, SPEC_KEY
 
 EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -217,7 +217,7 @@ def _check_verl_run(config: Any) -> None:
                 f"engine only; use strategy fsdp or fsdp2, or alignment.regions=[]"
             )
     check_plugin_reaches_workers()
-    from .model_hook import check_hook_target
+    from rlalign_verl.verl.model_hook import check_hook_target
 
     check_hook_target()
 
@@ -258,7 +258,7 @@ _validated: dict[int, tuple[Any, AlignmentSpec | None]] = {}
 
 def _workers_device(config: Any, on_cuda: bool) -> str | None:
     """``cpu`` for CPU workers (trainer.device=cpu or the CPU adaptations), ``cuda`` on a GPU driver, else unknown."""
-    from .engine_facts import workers_device
+    from rlalign_verl.verl.engine_facts import workers_device
 
     if workers_device(config) == "cpu":
         return "cpu"
@@ -304,13 +304,13 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
                 "profile %s is a CUDA profile but the driver sees no CUDA device (fine if the workers have GPUs)",
                 spec.engine,
             )
-    from .head_dtype import reconcile_head_dtype
+    from rlalign_verl.verl.head_dtype import reconcile_head_dtype
 
     reconcile_head_dtype(config, spec)
     check_metrics_config(config, spec)
     if spec.doctor.enable:  # confounders that make the gap something other than rounding; errors stop here
-        from ..doctor_findings import tp_lines
-        from .doctor_config import check as doctor_check
+        from rlalign_verl.request.findings import tp_lines
+        from rlalign_verl.verl.doctor_config import check as doctor_check
 
         for line in doctor_check(config, allow=spec.doctor.allow) + tp_lines(spec):
             logger.warning("doctor: %s", line)
@@ -322,7 +322,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
             spec.engine,
             reason,
         )
-        from .engine_facts import say_unverified_engine
+        from rlalign_verl.verl.engine_facts import say_unverified_engine
 
         say_unverified_engine(config, spec)
     else:

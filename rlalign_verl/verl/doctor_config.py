@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..doctor_findings import FINDING_KEYS, DoctorConfigError, Finding, raise_or_lines, settle
-from ..options import option_bool
-from .cfg import select
+from rlalign_verl.base.options import option_bool
+from rlalign_verl.request.findings import FINDING_KEYS, DoctorConfigError, Finding, raise_or_lines, settle
+from rlalign_verl.verl.config_access import select
 
 __all__ = ["Finding", "FINDING_KEYS", "DoctorConfigError", "confounders", "check", "doctor_context"]
 
@@ -68,7 +68,7 @@ def _corrections(config: Any) -> list[str]:
 
 
 def doctor_context(config: Any) -> dict[str, Any]:
-    """The sampling settings :func:`rlalign_verl.doctor.diagnose_signature` uses to name a cause."""
+    """The sampling settings :func:`rlalign_verl.measure.doctor.diagnose_signature` uses to name a cause."""
     return {
         "rollout": _text(config, f"{ROLLOUT}.name"),
         "top_p": _num(config, f"{ROLLOUT}.top_p", 1.0),

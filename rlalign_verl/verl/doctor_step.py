@@ -8,7 +8,7 @@ batch has no ``uid`` either: the group ids for the duplicate rate are read from 
 (:func:`v1_group_ids`).
 
 Runs beside the ``mismatch/*`` metrics (:mod:`.trainer_callback`) on the tensors already in the batch; never
-raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.doctor`
+raises (a metrics problem must never stop a training step). What each key means: :mod:`rlalign_verl.measure.doctor`
 and docs/reading-a-mismatch.md.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlalign_verl.log import warn_once
+from rlalign_verl.base.log import warn_once
 from rlalign_verl.verl.log import logger as _plugin_logger
 
 logger = _plugin_logger.getChild("doctor")
@@ -49,12 +49,11 @@ def step_tensors(batch: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def start_doctor(config: Any, spec: Any) -> Any:
-    """The run's :class:`~rlalign_verl.doctor.Doctor` (``None`` when the doctor or the metrics are off)."""
+    """The run's :class:`~rlalign_verl.measure.doctor.Doctor` (``None`` when the doctor or the metrics are off)."""
     if not (spec.doctor.enable and spec.metrics):
         return None
-    from rlalign_verl.doctor import Doctor
-
-    from .doctor_config import doctor_context
+    from rlalign_verl.measure.doctor import Doctor
+    from rlalign_verl.verl.doctor_config import doctor_context
 
     return Doctor(doctor_context(config))
 
@@ -68,7 +67,7 @@ def v1_group_ids(meta: Any) -> Any:
     try:
         import numpy as np
 
-        from .verify_run import v1_read
+        from rlalign_verl.verl.verify_run import v1_read
 
         return np.array(v1_read(meta, ["uid"]).pop("uid").tolist(), dtype=object)
     except Exception as exc:

@@ -9,17 +9,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..fingerprint import EngineFingerprint, fingerprint_for, unverified_line
-from ..spec import AlignmentSpec
-from .cfg import select as _select
-from .log import logger
+from rlalign_verl.catalog.fingerprint import EngineFingerprint, fingerprint_for, unverified_line
+from rlalign_verl.request.spec import AlignmentSpec
+from rlalign_verl.verl.config_access import select as _select
+from rlalign_verl.verl.log import logger
 
 VLLM_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
 def workers_device(config: Any) -> str:
     """Where the actor and the rollout run: ``cpu`` with the CPU adaptations, else verl's ``trainer.device``."""
-    from .cpu import enabled
+    from rlalign_verl.verl.cpu import enabled
 
     if enabled():
         return "cpu"
@@ -30,8 +30,8 @@ def workers_device(config: Any) -> str:
 def run_fingerprint(config: Any, spec: AlignmentSpec) -> tuple[EngineFingerprint, Any]:
     """``(fingerprint, profile)``: the run's engine and the profile its workers align to (``auto`` placed on the
     workers' device, as each worker does)."""
-    from ..placement import profile_for_device
-    from .head_dtype import engine_head_dtype
+    from rlalign_verl.catalog.placement import profile_for_device
+    from rlalign_verl.verl.head_dtype import engine_head_dtype
 
     profile = profile_for_device(spec.engine, workers_device(config), auto=spec.engine_auto)
     head, _ = engine_head_dtype(config) if _select(config, "actor_rollout_ref") is not None else (None, "")

@@ -3,7 +3,7 @@
 The engine's head dtype lives in the rollout config (vLLM: ``actor_rollout_ref.rollout.engine_kwargs.vllm.
 hf_overrides.head_dtype``, which verl passes to ``vllm.LLM``; SGLang: ``engine_kwargs.sglang.
 enable_fp32_lm_head``) or in the checkpoint's ``config.json`` (``head_dtype``). With ``lm_head`` in
-``alignment.regions`` the trainer computes its logits as that head does (:mod:`rlalign_verl.regions.lm_head`):
+``alignment.regions`` the trainer computes its logits as that head does (:mod:`rlalign_verl.align.regions.lm_head`):
 
 * engine head unset -> set it to ``alignment.experimental.head_dtype`` (default ``float32``): one flag, both sides;
 * engine head set and equal -> kept; set and different -> refused, as is an engine fp32 head while the
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import HEAD_DTYPES, AlignmentSpec
-from ..spec_checks import HeadDtypeError
-from .cfg import select as _select
+from rlalign_verl.request.checks import HeadDtypeError
+from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
+from rlalign_verl.verl.config_access import select as _select
 
 VLLM_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
@@ -42,7 +42,7 @@ def engine_head_dtype(config: Any) -> tuple[str | None, str]:
     value = None if overrides is None else overrides.get("head_dtype")
     if value is not None:
         return parse_head_dtype(value, f"{VLLM_KEY}.head_dtype"), f"{VLLM_KEY}.head_dtype"
-    from .checks import local_config_json, read_config_json
+    from rlalign_verl.verl.checks import local_config_json, read_config_json
 
     cfg_file = local_config_json(_select(config, "actor_rollout_ref.model.path") or "")
     value = read_config_json(cfg_file).get("head_dtype") if cfg_file else None

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ..log import visible_logger
+from rlalign_verl.base.log import visible_logger
 
 logger = visible_logger("rlalign_verl.verl")

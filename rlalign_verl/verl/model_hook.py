@@ -4,7 +4,7 @@
 after ``from_pretrained``, Liger, verl's ``apply_monkey_patch`` (attention / remove-padding /
 Ulysses), the dtype cast and gradient checkpointing, and before LoRA, QAT and FSDP1/FSDP2 wrapping.
 Wrapping that one method therefore patches every FSDP build. The per-model switch is the one attribute
-(:data:`~rlalign_verl.verl.wire.SPEC_KEY`, the resolved spec as JSON) the driver put on the HF config through
+(:data:`~rlalign_verl.verl.transport.SPEC_KEY`, the resolved spec as JSON) the driver put on the HF config through
 ``actor_rollout_ref.model.override_config``; the critic's config never gets it, so the critic is left alone.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..errors import AlignmentError
-from ..spec import AlignmentSpec
-from ..spec_checks import validate_request
-from ..wrap_once import wrap_once
-from .log import logger
-from .wire import OLD_KEYS, SPEC_KEY
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.base.wrap_once import wrap_once
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec
+from rlalign_verl.verl.log import logger
+from rlalign_verl.verl.transport import OLD_KEYS, SPEC_KEY
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 
@@ -69,8 +69,8 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     name = type(module).__name__
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
     try:
-        from ..patch import apply_alignment, get_alignment
-        from ..placement import worker_device_type
+        from rlalign_verl.align.patch import apply_alignment, get_alignment
+        from rlalign_verl.catalog.placement import worker_device_type
 
         profile = validate_request(spec, device=worker_device_type(module), rollout=spec.rollout)
         if profile.name != spec.engine:

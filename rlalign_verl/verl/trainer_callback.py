@@ -27,13 +27,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from rlalign_verl.log import warn_once
-from rlalign_verl.options import option_bool
-from rlalign_verl.spec import AlignmentSpec
+from rlalign_verl.base.log import warn_once
+from rlalign_verl.base.options import option_bool
+from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.verl.doctor_step import doctor_step, start_doctor, step_tensors
 from rlalign_verl.verl.log import logger as _plugin_logger
 from rlalign_verl.verl.run_context import Run, active, running
-from rlalign_verl.verl.wire import OVERRIDE_PATH, SPEC_KEY
+from rlalign_verl.verl.transport import OVERRIDE_PATH, SPEC_KEY
 
 # A child of the plugin's logger (always visible at INFO, see rlalign_verl/verl/log.py).
 logger = _plugin_logger.getChild("metrics")
@@ -167,7 +167,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
         spec = run_spec(config)
         if spec is None or not spec.metrics:
             return {}
-        from rlalign_verl.metrics import compute_mismatch_metrics
+        from rlalign_verl.measure.metrics import compute_mismatch_metrics
 
         train, rollout, mask, _ = step_tensors(batch)
         clip, low, high = _clip_range(config)
@@ -201,7 +201,7 @@ def _start_run(trainer: Any, legacy: bool) -> Run | None:
             return None
         profile = spec.engine
         if not spec.regions or profile == "auto":  # baseline (regions=[]): name what would be used
-            from .config import would_use_profile
+            from rlalign_verl.verl.config import would_use_profile
 
             profile = would_use_profile(config)
         logger.info(
@@ -212,7 +212,7 @@ def _start_run(trainer: Any, legacy: bool) -> Run | None:
         )
         run = Run(config, spec, trainer, legacy)
         try:
-            from .verify_run import start_verify
+            from rlalign_verl.verl.verify_run import start_verify
 
             run.verify = start_verify(config, spec)
         except Exception as exc:  # never stop training for a check
@@ -252,7 +252,7 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
             step = int(getattr(run.trainer, "global_steps", 0) or 0)
             extra.update(loggable(doctor_step(run.doctor, data, step, group_ids=run.group_ids)))
         if run.legacy and run.verify is not None:  # the legacy trainer verifies here, before the update
-            from .verify_hooks import legacy_verify_step
+            from rlalign_verl.verl.verify_hooks import legacy_verify_step
 
             extra.update(legacy_verify_step(run, data, bypass=False))
         # add, never overwrite: verl's own keys (e.g. training/rollout_probs_diff_mean) stay as they are
@@ -327,7 +327,7 @@ def install_trainer_callback(module: ModuleType) -> bool:
         legacy = not name.endswith(".v1.trainer_base")
         _patch(name, cls, "fit", _wrap_fit(legacy))
         _patch(name, hook_owner, _HOOK, _wrap_hook)
-        from .verify_hooks import VERIFY_PATCHES
+        from rlalign_verl.verl.verify_hooks import VERIFY_PATCHES
 
         for owner_of, attr, wrap in VERIFY_PATCHES[legacy]:
             owner = owner_of(module)

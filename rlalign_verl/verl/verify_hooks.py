@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from .run_context import Run, active
+from rlalign_verl.verl.run_context import Run, active
 
 ORIGINAL = "__rlalign_original__"
 
@@ -34,7 +34,7 @@ def legacy_verify_step(run: Run, batch: Any, *, bypass: bool) -> dict[str, float
     """The legacy trainer's verification of this step's batch (``{}`` when the step is not due)."""
     if not _due(run, run.trainer):
         return {}
-    from .verify_run import guarded, legacy_verify
+    from rlalign_verl.verl.verify_run import guarded, legacy_verify
 
     return guarded(run.verify, legacy_verify, run.verify, run.trainer, batch, bypass=bypass)
 
@@ -52,7 +52,9 @@ def wrap_v1_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
     def _compute_old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
         run = active()
         if run is not None and not run.legacy and run.doctor is not None and not _bypass_mode(self.config):
-            from .doctor_step import v1_group_ids  # bypass mode calls no debug-metrics hook: nothing to feed
+            from rlalign_verl.verl.doctor_step import (
+                v1_group_ids,  # bypass mode calls no debug-metrics hook: nothing to feed
+            )
 
             run.group_ids = v1_group_ids(batch)
         try:
@@ -61,7 +63,7 @@ def wrap_v1_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
             if run is not None:
                 run.group_ids = None
         if run is not None and not run.legacy and _due(run, self):
-            from .verify_run import guarded, v1_verify
+            from rlalign_verl.verl.verify_run import guarded, v1_verify
 
             metrics.update(
                 guarded(run.verify, v1_verify, run.verify, self, batch, bypass=_bypass_mode(self.config))

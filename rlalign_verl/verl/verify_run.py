@@ -1,9 +1,9 @@
 """Driver side of in-run verification in verl's trainers (runs in the TaskRunner process, inside ``fit``).
 
-At a due step (:func:`rlalign_verl.verify.schedule`) and before the actor update, the trainer asks the actor
+At a due step (:func:`rlalign_verl.measure.verify.schedule`) and before the actor update, the trainer asks the actor
 worker group for the log-probs of up to ``verify.max_seqs`` sequences of the step's batch a second time, with
 alignment switched off (:mod:`.verify_worker`), and compares both with the rollout's log-probs
-(:func:`rlalign_verl.verify.compare`). Where the batch is larger than ``max_seqs`` both passes run on the same
+(:func:`rlalign_verl.measure.verify.compare`). Where the batch is larger than ``max_seqs`` both passes run on the same
 subsample, so the pair shares its micro-batching; otherwise the step's own ``old_log_probs`` are the aligned pass.
 In rollout-correction bypass mode (no recompute) both passes run here.
 
@@ -24,19 +24,19 @@ from typing import Any
 
 import torch
 
-from ..fingerprint import EngineFingerprint, unverified_line
-from ..spec import AlignmentSpec
-from ..verify import VerifyFailedError, compare, ladder_metrics, ladder_rungs
-from ..verify_policy import Verifier
-from .log import logger
-from .verify_worker import VERIFY_KEY
+from rlalign_verl.catalog.fingerprint import EngineFingerprint, unverified_line
+from rlalign_verl.measure.verify import VerifyFailedError, compare, ladder_metrics, ladder_rungs
+from rlalign_verl.measure.verify_policy import Verifier
+from rlalign_verl.request.spec import AlignmentSpec
+from rlalign_verl.verl.log import logger
+from rlalign_verl.verl.verify_worker import VERIFY_KEY
 
 
 def start_verify(config: Any, spec: AlignmentSpec | None) -> Verifier | None:
     """The run's verification plan (``None``: nothing to verify); says once when it is forced or skipped."""
     if spec is None or not spec.regions:
         return None
-    from .engine_facts import run_fingerprint
+    from rlalign_verl.verl.engine_facts import run_fingerprint
 
     try:
         fp, profile = run_fingerprint(config, spec)

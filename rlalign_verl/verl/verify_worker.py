@@ -4,7 +4,7 @@ The driver marks a verify pass with one non-tensor entry in the batch, :data:`VE
 aligned; ``"rope"``, ``"rope,swiglu"`` ...: only those). verl hands a batch's non-tensor entries to the worker
 (``tu.assign_non_tensor`` in the legacy trainer, ``KVBatchMeta.extra_info`` in the v1 trainer), and every
 actor/ref log-prob pass goes through ``TrainingWorker.infer_batch`` (``verl/workers/engine_workers.py``). The
-wrapper below runs that pass inside :func:`~rlalign_verl.patch.alignment_variant` on the engine's module: same
+wrapper below runs that pass inside :func:`~rlalign_verl.align.patch.alignment_variant` on the engine's module: same
 micro-batching, forward only, and afterwards exactly the forwards the model had (bit-identical outputs). A pass
 without the entry runs as before: no extra work on other steps.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..wrap_once import wrap_once
-from .log import logger
+from rlalign_verl.base.wrap_once import wrap_once
+from rlalign_verl.verl.log import logger
 
 WORKERS_MODULE = "verl.workers.engine_workers"
 VERIFY_KEY = "rlalign_verify"
@@ -47,7 +47,7 @@ def wrap_training_worker(module: ModuleType) -> None:
             rung = _pop_flag(data)
             if rung is None:
                 return original(self, data, *args, **kwargs)
-            from ..patch import alignment_variant
+            from rlalign_verl.align.patch import alignment_variant
 
             model = getattr(getattr(self, "engine", None), "module", None)
             if model is None:

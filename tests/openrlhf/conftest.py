@@ -88,7 +88,7 @@ def plugin_ray(ray_cluster):
     from rlalign_verl.openrlhf.train_ppo_ray import init_ray
 
     # what ``--alignment.engine auto`` gives (no --vllm.enforce_eager): each worker settles it on its device,
-    # here vllm-cpu (rlalign_verl.placement)
+    # here vllm-cpu (rlalign_verl.catalog.placement)
     settings = Settings.build(
         regions=("rope", "swiglu", "rmsnorm"),
         profile="vllm",

@@ -121,7 +121,7 @@ def test_flags_are_read_in_the_installed_release_spelling(case, monkeypatch):
 
 
 def test_old_release_liger_and_is_correction_spellings_are_read(monkeypatch):
-    from rlalign_verl.errors import LigerConflictError
+    from rlalign_verl.base.errors import LigerConflictError
     from rlalign_verl.openrlhf.settings import rollout_logprobs_requested
 
     monkeypatch.setattr(flags, "installed_flags", lambda *a: OLD_RELEASE)

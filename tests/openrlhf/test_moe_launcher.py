@@ -114,7 +114,7 @@ def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monke
 
 def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
     """compiled_norm is verified on dense models only: an MoE checkpoint is refused by the launcher."""
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
 
     argv = [
         "--alignment.regions",
@@ -133,7 +133,7 @@ def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
 def test_moe_variant_flag(tmp_path):
     """--alignment.moe_variant engine-op: carried to every Ray worker's apply_alignment; refused by the launcher,
     one line each, with a CUDA profile, without swiglu or moe, on a dense checkpoint, for an unknown name."""
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
     from rlalign_verl.openrlhf.train_ppo_ray import runtime_env
 
     moe, dense = _model(tmp_path, "qwen3_moe"), _model(tmp_path, "qwen2")
@@ -176,7 +176,7 @@ def test_moe_variant_flag(tmp_path):
 )
 def test_moe_settings_on_a_dense_model_are_refused(regions, extra, fragment, tmp_path, monkeypatch):
     """A region or opt-in that wraps nothing on the model is refused in one line, not logged as aligned."""
-    from rlalign_verl.errors import AlignmentError
+    from rlalign_verl.base.errors import AlignmentError
 
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
     argv = ["--alignment.regions", regions, *extra, "--actor.model_name_or_path", _model(tmp_path, "qwen2")]
@@ -193,7 +193,7 @@ def test_the_rollout_tp_size_comes_from_openrlhfs_flag(tmp_path, monkeypatch):
 
 
 def test_a_hand_set_rollout_tp_flag_is_refused(tmp_path, monkeypatch):
-    from rlalign_verl.errors import ConfigFormatError
+    from rlalign_verl.base.errors import ConfigFormatError
 
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
     argv = [

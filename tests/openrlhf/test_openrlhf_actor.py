@@ -10,9 +10,9 @@ pytest.importorskip("openrlhf")
 
 import torch  # noqa: E402
 
-from rlalign_verl.errors import LigerConflictError, ProfileMismatchError, UnsupportedModelError  # noqa: E402
+from rlalign_verl.align.patch import apply_alignment, get_alignment  # noqa: E402
+from rlalign_verl.base.errors import LigerConflictError, ProfileMismatchError, UnsupportedModelError  # noqa: E402
 from rlalign_verl.openrlhf.settings import Settings  # noqa: E402
-from rlalign_verl.patch import apply_alignment, get_alignment  # noqa: E402
 
 OFF = Settings.build(regions=(), metrics=False)
 

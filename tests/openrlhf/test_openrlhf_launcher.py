@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("openrlhf")
 
-from rlalign_verl.errors import (  # noqa: E402
+from rlalign_verl.base.errors import (  # noqa: E402
     AlignmentError,
     LigerConflictError,
     UnknownProfileError,

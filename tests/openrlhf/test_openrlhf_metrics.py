@@ -285,7 +285,7 @@ def test_verify_pass_on_real_actors(plugin_ray, openrlhf_args, policy_group, rol
     from openrlhf.utils import get_strategy
     from transformers import AutoTokenizer
 
-    from rlalign_verl.verify import VerifyFailedError
+    from rlalign_verl.measure.verify import VerifyFailedError
 
     samples, _ = rollout
     maker = RemoteExperienceMaker(policy_group, None, None, None, FixedKLController(0.0),

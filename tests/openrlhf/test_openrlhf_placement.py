@@ -1,13 +1,13 @@
 """The OpenRLHF worker's placement check (``placed_profile``): the driver's profile against the worker's device.
 
-Needs no OpenRLHF (runs in the main suite too): the check is plain data from ``rlalign_verl.placement``.
+Needs no OpenRLHF (runs in the main suite too): the check is plain data from ``rlalign_verl.catalog.placement``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from rlalign_verl.errors import ProfileMismatchError
+from rlalign_verl.base.errors import ProfileMismatchError
 from rlalign_verl.openrlhf.settings import Settings
 from rlalign_verl.openrlhf.setup import placed_profile
 

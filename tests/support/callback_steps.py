@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from rlalign_verl.metrics import COUNT_NAMES, METRIC_NAMES
+from rlalign_verl.measure.metrics import COUNT_NAMES, METRIC_NAMES
 from rlalign_verl.verl import trainer_callback as tc
 
 ALL_KEYS = {f"mismatch/{k}" for k in METRIC_NAMES + COUNT_NAMES}
@@ -92,7 +92,7 @@ def train_log_probs(rollout: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def expected(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, low=0.2, high=0.28) -> dict:
-    """A few metrics in numpy, independently of rlalign_verl.metrics."""
+    """A few metrics in numpy, independently of rlalign_verl.measure.metrics."""
     m = mask.numpy().astype(bool)
     d = train.double().numpy()[m] - rollout.double().numpy()[m]
     r = np.exp(d)

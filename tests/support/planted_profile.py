@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlalign_verl import forwards
-from rlalign_verl.profiles import PROFILES, VLLM_CPU, SwigluRounding
-from rlalign_verl.regions.swiglu import swiglu
+from rlalign_verl.align import forwards
+from rlalign_verl.align.regions.swiglu import swiglu
+from rlalign_verl.catalog.profiles import PROFILES, VLLM_CPU, SwigluRounding
 
 NAME = "planted-worse"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlalign_verl.report import command
+from rlalign_verl.tools.report import command
 
 
 def step_metrics(step: int, gap: float, with_training: bool = True) -> dict[str, float]:

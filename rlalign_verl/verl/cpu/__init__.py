@@ -27,10 +27,10 @@ def install() -> list[str]:
     """
     if _installed:
         return list(_installed)
-    from ..import_hooks import when_imported
-    from ..log import logger
-    from .fixes import set_process_env
-    from .table import ADAPTATIONS, gate_holds
+    from rlalign_verl.base.import_hooks import when_imported
+    from rlalign_verl.verl.cpu.fixes import set_process_env
+    from rlalign_verl.verl.cpu.table import ADAPTATIONS, gate_holds
+    from rlalign_verl.verl.log import logger
 
     set_process_env()
     for adaptation in ADAPTATIONS:

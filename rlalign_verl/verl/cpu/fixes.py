@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from .errors import TargetMovedError
+from rlalign_verl.verl.cpu.errors import TargetMovedError
 
 _PATCHED = "_rlalign_cpu_patched"
 
@@ -54,7 +54,7 @@ def register_cpu_platform(module: ModuleType) -> None:
     if existing is not None and _patched(existing):
         return
     base = importlib.import_module("verl.plugin.platform.platform_base").PlatformBase
-    from .platform import make_platform_class
+    from rlalign_verl.verl.cpu.platform import make_platform_class
 
     registry.register(platform="cpu")(_mark(make_platform_class(base)))
 
@@ -243,7 +243,7 @@ def bind_cpu_ranks(ranks: int) -> str | None:
     nodes = require(cpu_utils, "get_visible_memory_node", "vllm_tp_thread_bind")()
     if len(nodes) >= ranks:
         return None  # auto's one-rank-per-node binding works here
-    from ...placement import cpu_rank_binding
+    from rlalign_verl.catalog.placement import cpu_rank_binding
 
     os.environ[OMP_BIND_ENV] = cpu_rank_binding(ranks)
     return os.environ[OMP_BIND_ENV]

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import fixes
-from .fixes import VLLM_DISTRIBUTIONS, installed_version
+from rlalign_verl.verl.cpu import fixes
+from rlalign_verl.verl.cpu.fixes import VLLM_DISTRIBUTIONS, installed_version
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class CpuModelActor(_import_base_model_actor()):
         return self.model(sequences, action_mask, attention_mask=attention_mask).to("cpu")
 
     def alignment(self) -> tuple[tuple[str, ...], str] | None:
-        from rlalign_verl.patch import get_alignment
+        from rlalign_verl.align.patch import get_alignment
 
         state = get_alignment(self.model.model)
         return None if state is None else (state.regions, state.profile.name)

@@ -1,0 +1,107 @@
+"""TP region: the row-parallel projections (``o_proj``, ``down_proj``) as the rollout engine computes them
+under tensor parallelism of size N, parameterised by :class:`~rlalign_verl.catalog.profiles_tp.TpReduction`.
+
+The engine's ``RowParallelLinear`` splits the input dimension K into N contiguous slices (rank r holds the
+heads / intermediate columns ``r*K/N .. (r+1)*K/N``); each rank's GEMM stores its partial product in bf16,
+and the all-reduce sums the partials. The trainer's single GEMM over all of K rounds once instead: that one
+rounding location is what separates a TP>1 rollout from the trainer. Backward is ``nn.Linear``'s: the split
+changes where the forward rounds, not the gradient's math (:class:`_RowParallelFn`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlalign_verl.align.regions._precision import host_store, store_as
+from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
+from rlalign_verl.catalog.profiles_tp import TpReduction
+
+
+class _RowParallelFn(torch.autograd.Function):
+    """Forward: the engine's split GEMM and reduction. Backward: ``nn.Linear``'s (one GEMM each for the input and
+    the weight gradient). Exact, not an approximation: every partial receives the output's bf16 gradient
+    unchanged (bf16 -> fp32 -> bf16 through the fp32 sum is lossless), and the K slices' input and weight
+    gradients are disjoint column blocks of the unsplit ones; autograd through the slices would build them from
+    ``tp`` zero-filled full-size buffers instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp, reduction, store):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        with torch.no_grad():
+            k = weight.shape[1] // tp
+            # rank r's GEMM over its K slice stores a bf16 partial; the bias is added on rank 0 only, in its GEMM
+            parts = [
+                F.linear(
+                    x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None
+                )
+                for r in range(tp)
+            ]
+            # the engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror
+            if parts[0].dtype is not torch.bfloat16:
+                raise ComputeDtypeError(
+                    f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
+                    "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
+                )
+            if reduction.accumulate == "fp32":
+                acc = parts[0].float()
+                for p in parts[1:]:
+                    acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
+                return store_as(acc, store, parts[0].dtype)  # and stores the sum once
+            out = parts[0]
+            for p in parts[1:]:
+                out = store_as(out.float() + p.float(), store, out.dtype)  # bf16 per hop: a rounding per add
+            return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dtype = g.dtype  # the compute dtype (bf16 weights, or fp32 masters under bf16 autocast)
+        gx = g @ weight.to(dtype) if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            gw = g.reshape(-1, g.shape[-1]).t() @ x.to(dtype).reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.reshape(-1, g.shape[-1]).sum(0)
+        return gx, gw, gb, None, None, None
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tp: int,
+    reduction: TpReduction,
+    store: str | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it; ``store``: the
+    reduction's store already resolved for this host (:func:`._precision.host_store`), else resolved here."""
+    if tp == 1:
+        return F.linear(x, weight, bias)
+    return _RowParallelFn.apply(x, weight, bias, tp, reduction, store or host_store(reduction.store))
+
+
+def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
+    """The forward bound on a row-parallel ``nn.Linear`` (:func:`rlalign_verl.align.binding.bind`)."""
+
+    store = host_store(reduction.store)  # this host's store, settled once when the forward is built
+
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel_linear(x, self.weight, self.bias, tp, reduction, store)
+
+    return forward
+
+
+def check_row_parallel(module: nn.Module, where: str) -> None:
+    """The tp region replaces a plain ``nn.Linear``'s forward; a wrapper (a PEFT LoRA layer, a quantized linear)
+    computes more than ``weight``/``bias``, which the split would silently drop: refused in one line."""
+    if type(module) is not nn.Linear:
+        raise UnsupportedModelError(
+            f"the tp region splits {where} as a plain nn.Linear, but it is a {type(module).__module__}."
+            f"{type(module).__name__} (LoRA adapters or a quantized layer are not modelled under tensor parallelism); "
+            "merge the adapters into the weights, or drop tp from the regions"
+        )

