@@ -20,8 +20,8 @@ _LAZY = {
     "get_profile": "rlalign_verl.catalog.profiles",
     "PROFILES": "rlalign_verl.catalog.profiles",
     "EngineProfile": "rlalign_verl.catalog.profiles",
-    "REGIONS": "rlalign_verl.align.regions",
-    "normalize_regions": "rlalign_verl.align.regions",
+    "REGIONS": "rlalign_verl.request.regions",
+    "normalize_regions": "rlalign_verl.request.regions",
     "SUPPORTED_MODEL_TYPES": "rlalign_verl.catalog.families",
 }
 

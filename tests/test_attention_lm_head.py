@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 from rlalign_verl.align.engine_ops import attention_op as E
 from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alignment
-from rlalign_verl.align.regions import REGIONS, normalize_regions
 from rlalign_verl.align.regions import attention as A
 from rlalign_verl.align.regions.lm_head import Fp32HeadFn
 from rlalign_verl.base.errors import ConfigFormatError, UnknownRegionError
 from rlalign_verl.request.checks import AttentionUnsupportedError
+from rlalign_verl.request.regions import REGIONS, normalize_regions
 
 BF = torch.bfloat16
 HQ, HKV, D = 3, 1, 64

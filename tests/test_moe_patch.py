@@ -114,7 +114,7 @@ def test_moe_region_binds_the_router_and_changes_the_routing_weights() -> None:
 
 
 def test_all_excludes_the_opt_in_moe_region() -> None:
-    from rlalign_verl.align.regions import normalize_regions
+    from rlalign_verl.request.regions import normalize_regions
 
     assert normalize_regions("all") == ALL
     assert normalize_regions("all,moe") == (*ALL, "moe")

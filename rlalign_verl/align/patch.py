@@ -11,9 +11,10 @@ models built afterwards are patched the same way.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -27,15 +28,13 @@ from rlalign_verl.align.forwards import (
     mlp_forward,
 )
 from rlalign_verl.align.guard import check_intact, check_model_arg
-from rlalign_verl.align.moe_patch import bind_moe
-from rlalign_verl.align.regions.lm_head import head_forward
 from rlalign_verl.align.regions.residual_stream import Carry, carry_for
-from rlalign_verl.align.regions.tp import check_row_parallel, row_parallel_forward
 from rlalign_verl.base.errors import ConfigFormatError, LigerConflictError, UnsupportedModelError
 from rlalign_verl.catalog.families import FAMILIES, ModelFamily, get_family
 from rlalign_verl.catalog.placement import worker_device_type
 from rlalign_verl.catalog.profiles import DEFAULT_PROFILE, EngineProfile
 from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.regions import plans, wrapped_roles
 from rlalign_verl.request.spec import AlignmentSpec
 
 logger = logging.getLogger("rlalign_verl")
@@ -124,7 +123,8 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
 
     regions = spec.regions
     base = _base_model(model, family)
-    row_parallel = _row_parallel_targets(model, family, spec)  # checked before anything is bound
+    # the regions that bind their own modules (the registry's planners): every check runs before anything is bound
+    planned = [b for name in plans(regions) for b in _planner(name)(model, family, st)]
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or "attention" in regions or ("rmsnorm" in regions and family.qk_norm)
     for m in model.modules():
@@ -135,40 +135,24 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
         elif isinstance(m, layer_cls):
             # unaligned layers get a pass-through: eager under torch.compile like the aligned ones
             bind(m, *((layer_forward, st) if "rmsnorm" in regions else (passthrough_forward,)))
-    bind_moe(model, family, st)
-    for linear in row_parallel:
-        bind(linear, row_parallel_forward, spec.rollout_tp, profile.tp)
     if "rmsnorm" in regions:
         bind(base.norm, final_norm_forward, st, 2 * len(base.layers))
     if "rmsnorm" in regions and carry_for(profile) is not Carry.ROUNDED_SUM:  # s - R(s) travels in a carry
         bind(base, base_model_forward, st)
     else:  # eager under torch.compile like the aligned modules
         bind(base, passthrough_forward)
-    if "lm_head" in regions and st.head_dtype == "float32":  # "model": HF's bf16 head is the engine's
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear):
-            raise UnsupportedModelError(
-                f"the lm_head region needs the *ForCausalLM model, not {type(model).__name__}"
-            )
-        bind(head, head_forward, profile.device == "cuda")
+    for module, factory, args in planned:
+        bind(module, factory, *args)
     model.__dict__[_STATE_ATTR] = st
     if base is not model:
         base.__dict__[_STATE_ATTR] = st
     return model
 
 
-def _row_parallel_targets(model: nn.Module, family: ModelFamily, spec: AlignmentSpec) -> list[nn.Module]:
-    """The projections the tp region splits (none at rollout TP 1: the engine's are then the trainer's)."""
-    if "tp" not in spec.regions or spec.rollout_tp == 1:
-        return []
-    split = [(family.cls(field), attr) for field, attr in family.row_parallel]
-    targets = []
-    for name, m in model.named_modules():
-        for cls, attr in split:
-            if isinstance(m, cls):
-                check_row_parallel(getattr(m, attr), f"{name}.{attr}")
-                targets.append(getattr(m, attr))
-    return targets
+def _planner(target: str) -> Callable:
+    """The planner a registry row names (``module:function``)."""
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _unpatch_instance(model: nn.Module) -> None:
@@ -223,8 +207,7 @@ def get_alignment(model: nn.Module) -> AlignmentState | None:
     st = _state(model)
     if st is not None:
         family = get_family(st.model_type)
-        wanted = {"swiglu": "mlp", "rmsnorm": "decoder_layer", "rope": "attention", "attention": "attention"}
-        check_intact(model, st.describe(), [family.cls(wanted[r]) for r in st.regions if r in wanted])
+        check_intact(model, st.describe(), [family.cls(role) for role in wrapped_roles(st.regions)])
     return st
 
 

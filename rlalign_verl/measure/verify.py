@@ -24,6 +24,7 @@ import torch
 
 from rlalign_verl.base.errors import AlignmentError, MetricsInputError
 from rlalign_verl.measure.tensor_inputs import check_log_probs
+from rlalign_verl.request.regions import ladder_rungs as rungs_of
 
 PREFIX = "mismatch/verify/"
 N_BOOT = 4000
@@ -191,18 +192,9 @@ def ladder_metrics(
     return out
 
 
-LADDER_RUNGS = ("none", "rope", "swiglu", "rmsnorm", "tp")
-"""Rungs of ``verify.ladder`` besides the run's own setting (``all`` = the aligned pass itself)."""
-
-
 def ladder_rungs(spec) -> list[str]:
-    """The rungs to recompute for ``spec``: none, and each aligned region alone when more than one is aligned."""
-    tp_off = spec.rollout_tp == 1  # tp alone at TP 1 would be a second `none` pass
-    return [
-        r
-        for r in LADDER_RUNGS
-        if r == "none" or (r in spec.regions and len(spec.regions) > 1 and not (r == "tp" and tp_off))
-    ]
+    """The rungs to recompute for ``spec`` (:func:`rlalign_verl.request.regions.ladder_rungs`)."""
+    return rungs_of(spec.regions, spec.rollout_tp)
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -27,7 +27,8 @@ from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError
 from rlalign_verl.base.options import key_name, parse_bool
-from rlalign_verl.request.values import bad_value, choice, integer, names, normalize_regions
+from rlalign_verl.request.regions import normalize_regions
+from rlalign_verl.request.values import bad_value, choice, integer, names
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 HEAD_DTYPES: dict[str, str] = {"float32": "float32", "fp32": "float32", "model": "model", "bfloat16": "model",

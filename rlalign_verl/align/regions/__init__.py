@@ -1,11 +1,5 @@
-"""The rounding regions: each a plain differentiable function parameterised by a profile (one module each).
+"""The rounding regions' math: each a plain differentiable function parameterised by a profile (one module each).
 
-Their names and :func:`normalize_regions` belong to the request (:mod:`rlalign_verl.request.values`) and are
-re-exported here.
+Which regions exist, what each wraps and how it is bound: the region registry,
+:mod:`rlalign_verl.request.regions`.
 """
-
-from __future__ import annotations
-
-from rlalign_verl.request.values import ALL_REGIONS, OPT_IN_REGIONS, REGIONS, normalize_regions
-
-__all__ = ["ALL_REGIONS", "OPT_IN_REGIONS", "REGIONS", "normalize_regions"]

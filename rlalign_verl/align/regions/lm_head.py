@@ -15,11 +15,14 @@ bf16 ``h`` and ``W`` for backward (the fp32 casts are redone there, never kept).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rlalign_verl.align.regions._precision import autocast_disabled
+from rlalign_verl.base.errors import UnsupportedModelError
 
 
 def _mm_fp32(h2: torch.Tensor, w: torch.Tensor, cuda_path: bool) -> torch.Tensor:
@@ -61,3 +64,16 @@ def head_forward(cuda_path: bool):
         return Fp32HeadFn.apply(hidden_states, self.weight, self.bias, cuda_path)
 
     return forward
+
+
+def plan(model: nn.Module, family: object, st) -> list[tuple[nn.Module, Callable, tuple]]:
+    """The head forward to bind: the ``*ForCausalLM``'s output embedding, when the engine's head is fp32
+    (``head_dtype="model"``: HF's bf16 head already is the engine's, nothing to bind)."""
+    if st.head_dtype != "float32":
+        return []
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise UnsupportedModelError(
+            f"the lm_head region needs the *ForCausalLM model, not {type(model).__name__}"
+        )
+    return [(head, head_forward, (st.profile.device == "cuda",))]

@@ -18,6 +18,7 @@ from torch import nn
 
 from rlalign_verl.align.regions._precision import host_store, store_as
 from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
+from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles_tp import TpReduction
 
 
@@ -105,3 +106,19 @@ def check_row_parallel(module: nn.Module, where: str) -> None:
             f"{type(module).__name__} (LoRA adapters or a quantized layer are not modelled under tensor parallelism); "
             "merge the adapters into the weights, or drop tp from the regions"
         )
+
+
+def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Callable, tuple]]:
+    """The row-parallel projections to split (``family.row_parallel``), each checked before any is bound;
+    none at rollout TP 1 (the engine's projections are then the trainer's)."""
+    tp = st.spec.rollout_tp
+    if tp == 1:
+        return []
+    split = [(family.cls(role), attr) for role, attr in family.row_parallel]
+    out: list[tuple[nn.Module, Callable, tuple]] = []
+    for name, m in model.named_modules():
+        for cls, attr in split:
+            if isinstance(m, cls):
+                check_row_parallel(getattr(m, attr), f"{name}.{attr}")
+                out.append((getattr(m, attr), row_parallel_forward, (tp, st.profile.tp)))
+    return out

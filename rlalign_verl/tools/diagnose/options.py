@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from rlalign_verl.align.regions import REGIONS, normalize_regions
+from rlalign_verl.request.regions import REGIONS, normalize_regions
 from rlalign_verl.base.errors import AlignmentError
 
 DEFAULT_SETTINGS = "none,rope,swiglu,rmsnorm,all"

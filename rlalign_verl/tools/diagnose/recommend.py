@@ -133,7 +133,7 @@ def extra_settings(results: dict[str, Any], evaluated: list) -> list[tuple[str, 
     """Region pairs to evaluate when no evaluated setting smaller than 'all' reaches the target."""
     from itertools import combinations
 
-    from rlalign_verl.align.regions import REGIONS
+    from rlalign_verl.request.regions import REGIONS
     from rlalign_verl.tools.diagnose.options import label
 
     labels = {lab for lab, _ in evaluated}

@@ -1,0 +1,136 @@
+"""The region registry: one row per rounding region, and the region names of a request.
+
+A row says what the rest of the package needs to know about a region: whether ``all`` includes it, the
+:class:`~rlalign_verl.catalog.profiles.EngineProfile` field that holds the engine's rounding there, the model
+modules whose forward it replaces (checked by ``get_alignment``), whether the step-1 verify ladder recomputes it
+alone, and, for a region that binds its own modules, the function that plans those bindings (``module:function``
+in :mod:`rlalign_verl.align`, loaded by the patcher). Adding a region is its math in
+``rlalign_verl/align/regions/``, one row here and its profile field. Torch-free: the driver reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rlalign_verl.base.errors import ConfigFormatError, UnknownRegionError
+
+
+@dataclass(frozen=True)
+class Region:
+    """One rounding region of the trainer's forward that alignment can make round like the engine."""
+
+    name: str
+    summary: str
+    in_all: bool
+    """Part of ``all`` (and of the default request); the others are turned on by name only."""
+    profile_field: str | None
+    """The ``EngineProfile`` field with the engine's rounding here (``None``: the region reads another fact)."""
+    wraps: tuple[str, ...] = ()
+    """Family roles (:class:`~rlalign_verl.catalog.families.ModelFamily` fields) whose forward it replaces."""
+    rung: bool = False
+    """The step-1 verify ladder recomputes the log-probs with this region alone aligned."""
+    only_tp: bool = False
+    """Changes nothing at rollout tensor-parallel size 1 (its rung is then left out of the ladder)."""
+    plan: str | None = None
+    """``module:function`` planning the region's own bindings, ``plan(model, family, state) -> [(module,
+    forward factory, args)]``, every check run before anything is bound (``None``: the shared layer forwards
+    of :mod:`rlalign_verl.align.forwards` carry it)."""
+
+
+REGISTRY: tuple[Region, ...] = (
+    Region("rope", "RoPE's cos/sin table and rotation", True, "rope", ("attention",), rung=True),
+    Region(
+        "swiglu",
+        "SiLU(gate) * up, dense MLPs and MoE experts",
+        True,
+        "swiglu",
+        ("mlp",),
+        rung=True,
+        plan="rlalign_verl.align.moe_patch:plan",
+    ),
+    Region("rmsnorm", "residual add + RMSNorm", True, "norm", ("decoder_layer",), rung=True),
+    Region(
+        "moe",
+        "MoE router and expert combine (refused on dense models)",
+        False,
+        "moe",
+        plan="rlalign_verl.align.moe_patch:plan",
+    ),
+    Region("attention", "the engine's attention op (vLLM CPU profiles)", False, None, ("attention",)),
+    Region("lm_head", "the engine's head dtype", False, None, plan="rlalign_verl.align.regions.lm_head:plan"),
+    Region(
+        "tp",
+        "the rollout's tensor-parallel reduction in o_proj/down_proj",
+        False,
+        "tp",
+        rung=True,
+        only_tp=True,
+        plan="rlalign_verl.align.regions.tp:plan",
+    ),
+)
+BY_NAME: dict[str, Region] = {r.name: r for r in REGISTRY}
+
+REGIONS: tuple[str, ...] = tuple(r.name for r in REGISTRY if r.in_all)
+ALL_REGIONS = REGIONS
+OPT_IN_REGIONS: tuple[str, ...] = tuple(r.name for r in REGISTRY if not r.in_all)
+
+
+def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
+    """Validate region names and return them deduplicated in registry order.
+
+    Accepts a sequence, a comma-separated string, ``"all"``/``"none"``, or ``None`` (= none).
+    """
+    if regions is None:
+        return ()
+    if isinstance(regions, str):
+        items = [r for r in regions.replace(" ", "").split(",") if r]
+    elif isinstance(regions, Iterable) and not isinstance(regions, Mapping | bytes):
+        items = list(regions)
+        odd = [r for r in items if not isinstance(r, str)]
+        if odd:  # str(None) would read as "none" and turn alignment off without a word
+            raise ConfigFormatError(
+                f"regions={list(items)!r} holds {odd[0]!r}, not a region name; give names, e.g. "
+                "alignment.regions=[rope,swiglu,rmsnorm], or [] to turn alignment off"
+            )
+        items = [r.strip() for r in items]
+    else:
+        raise ConfigFormatError(
+            f"regions={regions!r} is a {type(regions).__name__}, not a list of region names; give e.g. "
+            f"alignment.regions=[rope,swiglu,rmsnorm] (OpenRLHF: --alignment.regions rope,swiglu,rmsnorm)"
+        )
+    names = {r.lower() for r in items}
+    if names == {"all"}:
+        return REGIONS
+    if names <= {"none"}:
+        return ()
+    if "all" in names:  # "all" plus an opt-in region, e.g. all,moe
+        names = (names - {"all"}) | set(REGIONS)
+    unknown = sorted(names - set(BY_NAME))
+    if unknown:
+        raise UnknownRegionError(
+            f"unknown alignment region(s) {unknown}; valid regions: {list(BY_NAME)} "
+            f"(e.g. alignment.regions=[rope] or [rope,swiglu,rmsnorm])"
+        )
+    return tuple(r.name for r in REGISTRY if r.name in names)
+
+
+def ladder_rungs(regions: tuple[str, ...], rollout_tp: int) -> list[str]:
+    """The verify passes for ``regions``: ``none``, and each aligned rung region alone when more than one is aligned
+    (a region that changes nothing at ``rollout_tp`` would repeat the ``none`` pass)."""
+    return ["none"] + [
+        r.name
+        for r in REGISTRY
+        if r.rung and r.name in regions and len(regions) > 1 and not (r.only_tp and rollout_tp == 1)
+    ]
+
+
+def wrapped_roles(regions: Iterable[str]) -> tuple[str, ...]:
+    """The family roles whose forwards ``regions`` replace (what ``get_alignment`` checks are still in place)."""
+    return tuple(dict.fromkeys(role for r in regions for role in BY_NAME[r].wraps))
+
+
+def plans(regions: Iterable[str]) -> tuple[str, ...]:
+    """The binding planners ``regions`` need, each once, in registry order."""
+    wanted = set(regions)
+    return tuple(dict.fromkeys(r.plan for r in REGISTRY if r.name in wanted and r.plan))
