@@ -84,3 +84,20 @@ def test_align_module_checks_the_profile_against_the_worker_device(qwen2_path):
     assert get_alignment(align_module(moved, role="actor")).profile.name == "vllm-cpu-eager"
     with pytest.raises(ProfileMismatchError, match="not the vllm rollout engine"):
         align_module(_hf_model(qwen2_path, {"regions": ["rope"], "engine": "hf", "rollout": "vllm"}))
+
+
+def test_the_worker_validates_the_request_once(qwen2_path, monkeypatch):
+    """The driver validated and resolved the request; the worker checks it once, with the model's facts."""
+    from rlalign_verl.align import patch
+    from rlalign_verl.verl.model_hook import align_module
+
+    seen = []
+    real = patch.validate_request
+
+    def counting(spec, **facts):
+        seen.append(sorted(k for k, v in facts.items() if v is not None))
+        return real(spec, **facts)
+
+    monkeypatch.setattr(patch, "validate_request", counting)
+    align_module(_hf_model(qwen2_path, {"regions": ["rope"], "engine": "vllm-cpu"}), role="actor")
+    assert seen == [["device", "model_config", "model_type", "param_dtype", "spelling"]]

@@ -261,19 +261,11 @@ def apply_alignment(
         if _state(model) is not None:
             _unpatch_instance(model)
         return model
-    model_type = _model_type(model)
     auto = isinstance(request.engine, str) and request.engine == "auto"
     device = (
         worker_device_type(model) if auto or request.engine_auto else None
     )  # auto follows the model's device
-    profile = validate_request(
-        request,
-        model_type=model_type,
-        model_config=model.config,
-        param_dtype=_param_dtype(model),
-        device=device,
-        spelling="python",
-    )
+    profile = _check_and_patch(model, request, device, "python")
     if auto:
         logger.info(
             "rlalign: engine=auto chose profile %s for a model on %s (no rollout engine is known here; pass "
@@ -281,9 +273,37 @@ def apply_alignment(
             profile.name,
             device,
         )
+    return model
+
+
+def align_on_worker(model: nn.Module, spec: AlignmentSpec, *, device: str, spelling: str) -> AlignmentState:
+    """An integration's training worker aligns ``model`` to the request its driver validated and resolved.
+
+    The one check here is against what only the worker sees: the model's architecture, parameter dtype and
+    ``device`` (an ``auto`` profile moves to this device's build; an explicit one for another device is refused,
+    the error spelled for the user's surface: ``hydra`` or ``flag``). Returns the active state.
+    """
+    if not spec.regions:
+        raise ConfigFormatError("align_on_worker: the request has no region; nothing to align")
+    _check_and_patch(model, spec, device, spelling)
+    return _state(model)
+
+
+def _check_and_patch(
+    model: nn.Module, request: AlignmentSpec, device: str | None, spelling: str
+) -> EngineProfile:
+    model_type = _model_type(model)
+    profile = validate_request(
+        request,
+        model_type=model_type,
+        model_config=model.config,
+        param_dtype=_param_dtype(model),
+        device=device,
+        spelling=spelling,
+    )
     _patch_instance(model, request, profile)
     logger.debug("rlalign: aligned %s: %s", type(model).__name__, _state(model).describe())
-    return model
+    return profile
 
 
 def remove_alignment(model: nn.Module | None = None) -> None:

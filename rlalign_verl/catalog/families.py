@@ -16,7 +16,7 @@ from rlalign_verl.base.errors import UnsupportedModelError
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """Where a transformers architecture keeps the modules the three regions touch."""
+    """Where a transformers architecture keeps the modules the regions touch."""
 
     model_type: str
     modeling_module: str

@@ -15,7 +15,6 @@ from typing import Any
 
 from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.base.wrap_once import wrap_once
-from rlalign_verl.request.checks import validate_request
 from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.verl.log import logger
 from rlalign_verl.verl.transport import OLD_KEYS, SPEC_KEY
@@ -69,18 +68,17 @@ def align_module(module: Any, *, role: str | None = None) -> Any:
     name = type(module).__name__
     where = f"role={role or 'unknown'}" + (f", rank {_rank()}" if _rank() is not None else "")
     try:
-        from rlalign_verl.align.patch import apply_alignment, get_alignment
+        from rlalign_verl.align.patch import align_on_worker
         from rlalign_verl.catalog.placement import worker_device_type
 
-        profile = validate_request(spec, device=worker_device_type(module), rollout=spec.rollout)
-        if profile.name != spec.engine:
+        # the one check on the worker: the driver's request against the model and this worker's device
+        state = align_on_worker(module, spec, device=worker_device_type(module), spelling="hydra")
+        if state is not None and state.profile.name != spec.engine:
             logger.info(
                 "alignment.engine=auto: profile %s (chosen on the driver) is %s on this worker's device",
                 spec.engine,
-                profile.name,
+                state.profile.name,
             )
-        apply_alignment(module, spec.replace(engine=profile.name))
-        state = get_alignment(module)
     except Exception as err:
         logger.error("FAILED to align %s (%s) with %s: %s", name, where, spec.describe(), err)
         raise

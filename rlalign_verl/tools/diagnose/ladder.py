@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from rlalign_verl.request.regions import OPT_IN_REGIONS, REGIONS
 from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.regions import OPT_IN_REGIONS, REGIONS
 from rlalign_verl.tools.diagnose.stats import N_BOOT, prompt_groups
 
 

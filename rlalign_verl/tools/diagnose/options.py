@@ -7,8 +7,8 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from rlalign_verl.request.regions import REGIONS, normalize_regions
 from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.request.regions import REGIONS, normalize_regions
 
 DEFAULT_SETTINGS = "none,rope,swiglu,rmsnorm,all"
 
