@@ -30,6 +30,7 @@ from rlalign_verl.align.forwards import (
 from rlalign_verl.align.guard import check_intact, check_model_arg
 from rlalign_verl.align.regions.residual_stream import Carry, carry_for
 from rlalign_verl.base.errors import ConfigFormatError, LigerConflictError, UnsupportedModelError
+from rlalign_verl.base.wrap_once import unwrap, wrap_once
 from rlalign_verl.catalog.families import FAMILIES, ModelFamily, get_family
 from rlalign_verl.catalog.placement import worker_device_type
 from rlalign_verl.catalog.profiles import DEFAULT_PROFILE, EngineProfile
@@ -163,37 +164,33 @@ def _unpatch_instance(model: nn.Module) -> None:
 
 # --- class form: patch models as they are constructed -----------------------------------------
 
-_class_patch: dict[str, object] = {}
+_CLASS_FORM = "rlalign_verl.align.patch:class-form"
+"""The :func:`~rlalign_verl.base.wrap_once.wrap_once` group of the base-model constructors' wrappers."""
 _patched_models: weakref.WeakSet = weakref.WeakSet()
 
 
 def _install_class_hooks(spec: AlignmentSpec, profile: EngineProfile) -> None:
     _remove_class_hooks()
+
+    def make(original: Callable) -> Callable:
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            validate_request(spec, model_type=_model_type(self), model_config=self.config)
+            _patch_instance(self, spec, profile)
+            _patched_models.add(self)
+
+        return init
+
     for family in FAMILIES.values():
         try:
             base_cls = family.cls("base_model")
         except (ImportError, AttributeError):
             continue
-        original_init = base_cls.__init__
-
-        def init(self, *args, _orig=original_init, **kwargs):
-            _orig(self, *args, **kwargs)
-            validate_request(spec, model_type=_model_type(self), model_config=self.config)
-            _patch_instance(self, spec, profile)
-            _patched_models.add(self)
-
-        init.__wrapped__ = original_init  # type: ignore[attr-defined]
-        base_cls.__init__ = init
-        _class_patch[family.model_type] = (base_cls, original_init)
-    _class_patch["state"] = spec
+        wrap_once(base_cls, "__init__", make, group=_CLASS_FORM)
 
 
 def _remove_class_hooks() -> None:
-    for key, value in list(_class_patch.items()):
-        if key != "state":
-            base_cls, original_init = value
-            base_cls.__init__ = original_init
-    _class_patch.clear()
+    unwrap(_CLASS_FORM)
 
 
 # --- public API --------------------------------------------------------------------------------

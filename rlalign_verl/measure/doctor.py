@@ -33,7 +33,7 @@ import torch
 
 from rlalign_verl.base.errors import MetricsInputError
 from rlalign_verl.measure.doctor_trend import GapTrend
-from rlalign_verl.measure.metrics import sorted_quantiles
+from rlalign_verl.measure.intervals import ratio_interval
 from rlalign_verl.measure.tensor_inputs import check_ids, check_log_probs, check_step
 from rlalign_verl.measure.turns import round_findings, round_metrics, unexplained_mask
 
@@ -105,18 +105,6 @@ def _corr(sxy: float, sx: float, sy: float, sxx: float, syy: float, n: float) ->
     if vx <= 1e-12 * sxx / n or vy <= 1e-12 * syy / n:
         return None  # constant (within float64) on one side: no correlation to speak of
     return max(-1.0, min(1.0, cov / math.sqrt(vx * vy)))
-
-
-def _bootstrap(s: torch.Tensor, n: torch.Tensor, seed: int, n_boot: int) -> tuple[float, float]:
-    """95% percentile interval of ``sum(s) / sum(n)`` resampling sequences (tokens of one are not independent)."""
-    s, n = s.to("cpu", torch.float64), n.to("cpu", torch.float64)
-    gen = torch.Generator().manual_seed(seed)
-    block, draws = max(1, CHUNK_ELEMENTS // s.numel()), []
-    for b0 in range(0, n_boot, block):
-        idx = torch.randint(0, s.numel(), (min(block, n_boot - b0), s.numel()), generator=gen)
-        draws.append(s[idx].sum(1) / n[idx].sum(1))
-    lo, hi = sorted_quantiles(torch.cat(draws), ((1 - LEVEL) / 2, (1 + LEVEL) / 2)).tolist()
-    return float(lo), float(hi)
 
 
 def _duplicates(uid: Any, responses: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -201,7 +189,11 @@ def _signatures(
         return {prefix + k: float(v) for k, v in out.items()}
     sd = float(s_seq.sum())
     bias, abs_mean = sd / n_tok, sa / n_tok
-    lo, hi = _bootstrap(s_seq[keep], n_seq[keep], seed, n_boot) if n_seqs > 1 else (bias, bias)
+    lo, hi = (
+        ratio_interval(s_seq[keep], n_seq[keep], seed=seed, n_boot=n_boot, level=LEVEL)
+        if n_seqs > 1
+        else (bias, bias)
+    )
     out.update(bias=bias, bias_lo=lo, bias_hi=hi, abs_mean=abs_mean, share_above_0p1=n01 / n_tok,
                share_above_1=n1 / n_tok, exact_share=1.0 - nz / n_tok)  # fmt: skip
     out["bias_share"] = abs(bias) / abs_mean if abs_mean > 0 else 0.0

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rlalign_verl.base.errors import AlignmentError, MetricsInputError
+from rlalign_verl.measure.intervals import percentile_interval, resampled_sums
 from rlalign_verl.measure.tensor_inputs import check_log_probs
 from rlalign_verl.request.regions import ladder_rungs as rungs_of
 
@@ -136,15 +137,10 @@ def compare(
     exact_a = ((d_a == 0) & valid).sum() / tokens
     exact_u = ((d_u == 0) & valid).sum() / tokens
 
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n.numel(), (n_boot, n.numel()), generator=gen)
-    nb = n[idx].sum(1)
-    diff_b = (s_u[idx].sum(1) - s_a[idx].sum(1)) / nb
-    gain_b = _ratio(s_u[idx].sum(1), s_a[idx].sum(1))
-
-    def interval(x: torch.Tensor, level: float) -> tuple[float, float]:
-        q = torch.quantile(x, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-        return float(q[0]), float(q[1])
+    su_b, sa_b, nb = resampled_sums(torch.stack([s_u, s_a, n]), seed=seed, n_boot=n_boot)
+    diff_b = (su_b - sa_b) / nb
+    gain_b = _ratio(su_b, sa_b)
+    interval = percentile_interval
 
     diff = float((s_u.sum() - s_a.sum()) / tokens)
     decision = interval(diff_b, DECISION_LEVEL)

@@ -23,7 +23,7 @@ from rlalign_verl.base.options import key_name, key_setting
 from rlalign_verl.catalog.compat import check_transformers
 from rlalign_verl.catalog.placement import ROLLOUT_ENGINES, check_rollout
 from rlalign_verl.catalog.profiles import PROFILES, EngineProfile, get_profile
-from rlalign_verl.request.spec import AlignmentSpec
+from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
 
 DENSE_ONLY = "compiled_norm"
 OPT_IN_HINT = (
@@ -38,6 +38,15 @@ class AttentionUnsupportedError(AlignmentError):
 
 class HeadDtypeError(AlignmentError):
     """An unknown head dtype, or trainer and engine heads that disagree."""
+
+
+def parse_head_dtype(value: Any, shown: str, fix: str) -> str:
+    """``"float32"`` or ``"model"`` for a head dtype read anywhere (the request, a verl key, a dump, a flag);
+    ``shown``: the setting as the user wrote it, ``fix``: what to write instead."""
+    key = str(value).strip().lower()
+    if key not in HEAD_DTYPES:
+        raise HeadDtypeError(f"{shown} is not a head dtype; {fix}")
+    return HEAD_DTYPES[key]
 
 
 _ATTENTION_REFUSAL = {

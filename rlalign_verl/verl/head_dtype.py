@@ -14,22 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlalign_verl.request.checks import HeadDtypeError
-from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
+from rlalign_verl.request.checks import HeadDtypeError, parse_head_dtype
+from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.verl.config_access import select as _select
 
 VLLM_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 SGLANG_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.enable_fp32_lm_head"
 
 
-def parse_head_dtype(value: Any, where: str) -> str:
-    """``"float32"`` or ``"model"`` for a head dtype found at ``where``; one line naming it otherwise."""
-    key = str(value).strip().lower()
-    if key not in HEAD_DTYPES:
-        raise HeadDtypeError(
-            f"{where}={value!r} is not a head dtype; use float32 (fp32 logits) or the model dtype"
-        )
-    return HEAD_DTYPES[key]
+def _head(value: Any, where: str) -> str:
+    return parse_head_dtype(value, f"{where}={value!r}", "use float32 (fp32 logits) or the model dtype")
 
 
 def engine_head_dtype(config: Any) -> tuple[str | None, str]:
@@ -41,13 +35,13 @@ def engine_head_dtype(config: Any) -> tuple[str | None, str]:
     overrides = _select(config, VLLM_KEY)
     value = None if overrides is None else overrides.get("head_dtype")
     if value is not None:
-        return parse_head_dtype(value, f"{VLLM_KEY}.head_dtype"), f"{VLLM_KEY}.head_dtype"
+        return _head(value, f"{VLLM_KEY}.head_dtype"), f"{VLLM_KEY}.head_dtype"
     from rlalign_verl.verl.checks import local_config_json, read_config_json
 
     cfg_file = local_config_json(_select(config, "actor_rollout_ref.model.path") or "")
     value = read_config_json(cfg_file).get("head_dtype") if cfg_file else None
     where = "the checkpoint's config.json head_dtype"
-    return (None if value is None else parse_head_dtype(value, where)), where
+    return (None if value is None else _head(value, where)), where
 
 
 def _set_engine_head(config: Any, head: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from rlalign_verl.base.log import warn_once
 from rlalign_verl.base.options import option_bool
+from rlalign_verl.base.wrap_once import is_wrapped, unwrap, wrap_once
 from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.verl.doctor_step import doctor_step, start_doctor, step_tensors
 from rlalign_verl.verl.log import logger as _plugin_logger
@@ -57,10 +58,6 @@ _TRAINER_CLASS = {
 }
 _DEBUG_METRICS_MODULE = "verl.utils.debug.metrics"
 _HOOK = "calculate_debug_metrics"
-_ORIGINAL = "__rlalign_original__"
-
-# (owner, attribute, original value, owner had its own attribute) per patch, for uninstall.
-_PATCHES: dict[str, list[tuple[Any, str, Any, bool]]] = {}
 
 
 def _cfg_get(node: Any, path: str, default: Any = None) -> Any:
@@ -259,7 +256,6 @@ def _wrap_hook(original: Callable[..., dict]) -> Callable[..., dict]:
         extra = {k: v for k, v in extra.items() if k not in result}
         return {**result, **extra} if extra else result
 
-    setattr(calculate_debug_metrics, _ORIGINAL, original)
     return calculate_debug_metrics
 
 
@@ -273,25 +269,9 @@ def _wrap_fit(legacy: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]
             with running(run):
                 return original(self, *args, **kwargs)
 
-        setattr(fit, _ORIGINAL, original)
         return fit
 
     return make
-
-
-def _patch(module_name: str, owner: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
-    patches = _PATCHES.setdefault(module_name, [])
-    if any(p[0] is owner and p[1] == attr for p in patches):
-        return  # installed already
-    own = attr in vars(owner)
-    current = vars(owner)[attr] if own else getattr(owner, attr)
-    if hasattr(current, _ORIGINAL):
-        # Bound to a wrapper made by another install call (v1's trainer_base binds the function at import
-        # time, possibly after the legacy install wrapped it): keep it, remember the original for uninstall.
-        patches.append((owner, attr, getattr(current, _ORIGINAL), own))
-        return
-    setattr(owner, attr, wrap(current))
-    patches.append((owner, attr, current, own))
 
 
 def install_trainer_callback(module: ModuleType) -> bool:
@@ -325,14 +305,14 @@ def install_trainer_callback(module: ModuleType) -> bool:
             )
             return False
         legacy = not name.endswith(".v1.trainer_base")
-        _patch(name, cls, "fit", _wrap_fit(legacy))
-        _patch(name, hook_owner, _HOOK, _wrap_hook)
+        wrap_once(cls, "fit", _wrap_fit(legacy), group=name)
+        wrap_once(hook_owner, _HOOK, _wrap_hook, group=name)
         from rlalign_verl.verl.verify_hooks import VERIFY_PATCHES
 
         for owner_of, attr, wrap in VERIFY_PATCHES[legacy]:
             owner = owner_of(module)
             if owner is not None and callable(getattr(owner, attr, None)):
-                _patch(name, owner, attr, wrap)
+                wrap_once(owner, attr, wrap, group=name)
         return True
     except Exception as exc:
         logger.warning("could not install the mismatch-metrics callback in %s: %s", name, exc)
@@ -341,16 +321,10 @@ def install_trainer_callback(module: ModuleType) -> bool:
 
 def uninstall_trainer_callback(module: ModuleType) -> bool:
     """Undo ``install_trainer_callback(module)``; False when nothing was installed there."""
-    patches = _PATCHES.pop(getattr(module, "__name__", ""), [])
-    for owner, attr, original, own in reversed(patches):
-        if own:
-            setattr(owner, attr, original)
-        else:
-            delattr(owner, attr)
-    return bool(patches)
+    return unwrap(getattr(module, "__name__", ""))
 
 
 def is_installed(module: ModuleType) -> bool:
     """True when ``module``'s trainer ``fit`` is currently wrapped by this callback."""
     cls = getattr(module, _TRAINER_CLASS.get(getattr(module, "__name__", ""), ""), None)
-    return isinstance(cls, type) and hasattr(cls.__dict__.get("fit"), _ORIGINAL)
+    return isinstance(cls, type) and is_wrapped(cls.__dict__.get("fit"))

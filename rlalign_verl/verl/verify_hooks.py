@@ -19,8 +19,6 @@ from typing import Any
 
 from rlalign_verl.verl.run_context import Run, active
 
-ORIGINAL = "__rlalign_original__"
-
 
 def _due(run: Run | None, trainer: Any) -> bool:
     return (
@@ -70,7 +68,6 @@ def wrap_v1_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         return out
 
-    setattr(_compute_old_log_prob, ORIGINAL, original)
     return _compute_old_log_prob
 
 
@@ -86,7 +83,6 @@ def wrap_bypass(original: Callable[..., Any]) -> Callable[..., Any]:
                 run.verify.pending[step] = found
         return out
 
-    setattr(apply_bypass_mode, ORIGINAL, original)
     return apply_bypass_mode
 
 
@@ -101,7 +97,6 @@ def wrap_data_metrics(original: Callable[..., Any]) -> Callable[..., Any]:
                 result = {**result, **found}
         return result
 
-    setattr(compute_data_metrics, ORIGINAL, original)
     return compute_data_metrics
 
 

@@ -17,15 +17,13 @@ FLAG = "--engine-head-dtype"
 
 def check_head_option(value: str) -> str:
     """Canonical ``"float32"`` or ``"model"`` for ``--engine-head-dtype``; one-line error otherwise."""
-    from rlalign_verl.request.spec import HEAD_DTYPES
+    from rlalign_verl.request.checks import parse_head_dtype
 
-    key = str(value).strip().lower()
-    if key not in HEAD_DTYPES:
-        raise AlignmentError(
-            f"{FLAG} {value!r} is not a head dtype; use {FLAG} float32 (the engine's fp32 lm_head, vLLM "
-            f"hf_overrides head_dtype) or {FLAG} model (the bf16 head)"
-        )
-    return HEAD_DTYPES[key]
+    return parse_head_dtype(
+        value,
+        f"{FLAG} {value!r}",
+        f"use {FLAG} float32 (the engine's fp32 lm_head, vLLM hf_overrides head_dtype) or {FLAG} model (the bf16 head)",
+    )
 
 
 def engine_hf_overrides(option: str | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlalign_verl.measure.intervals import percentile_interval, resampled_sums
 from rlalign_verl.request.checks import validate_request
 from rlalign_verl.request.regions import OPT_IN_REGIONS, REGIONS
 from rlalign_verl.tools.diagnose.stats import N_BOOT, prompt_groups
@@ -156,7 +157,7 @@ def _group_sums(
 
 
 def _quantiles(x: torch.Tensor) -> list[float]:
-    return torch.quantile(x, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return list(percentile_interval(x))
 
 
 def _pct(x: float) -> str:
@@ -185,10 +186,9 @@ def ladder_rows(
     ``per_token[i]``: rung ``i``'s |Δlogp| per token, rollouts concatenated (``lengths`` tokens each);
     ``groups``: the prompt of each rollout (the bootstrap unit, drawn identically for every rung).
     """
-    gen = torch.Generator().manual_seed(seed)
     sc = [_group_sums(v, lengths, groups) for v in per_token]
-    idx = torch.randint(0, sc[0][0].numel(), (N_BOOT, sc[0][0].numel()), generator=gen)
-    boots = [s[idx].sum(1) / c[idx].sum(1).clamp_min(1) for s, c in sc]
+    drawn = resampled_sums(torch.stack([x for pair in sc for x in pair]), seed=seed, n_boot=N_BOOT)
+    boots = [drawn[2 * i] / drawn[2 * i + 1].clamp_min(1) for i in range(len(sc))]
     rows: list[dict[str, Any]] = []
     for i, (name, values) in enumerate(zip(names, per_token, strict=True)):
         sums, counts = sc[i]

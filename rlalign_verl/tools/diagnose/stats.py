@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from rlalign_verl.measure.intervals import ratio_interval
+
 N_BOOT = 2000
 CI_KEYS = ("mismatch/logp_abs_diff_mean", "mismatch/kl_k3")
 
@@ -35,11 +37,7 @@ def bootstrap_ci(
     sums: torch.Tensor, counts: torch.Tensor, *, seed: int = 0, n_boot: int = N_BOOT
 ) -> list[float]:
     """95% percentile interval of ``sum(sums) / sum(counts)`` resampling groups with replacement."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, sums.numel(), (n_boot, sums.numel()), generator=gen)
-    means = sums[idx].sum(1) / counts[idx].sum(1).clamp_min(1)
-    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return [lo, hi]
+    return list(ratio_interval(sums, counts, seed=seed, n_boot=n_boot))
 
 
 def intervals(train: list[torch.Tensor], rollouts: list, groups: list[int], seed: int = 0) -> dict[str, Any]:
