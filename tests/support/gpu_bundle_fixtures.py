@@ -1,4 +1,4 @@
-"""Helpers of tests/test_gpu_bundle.py: the GPU scripts loaded by path, synthetic sdists and a local index.
+"""Helpers of tests/tools/test_gpu_bundle.py: the GPU scripts loaded by path, synthetic sdists and a local index.
 
 ``tests/support`` is on ``sys.path`` through pytest's ``pythonpath`` setting (pyproject.toml).
 :class:`FakeIndex` is a PyPI-style JSON API on 127.0.0.1 (loopback only: the tests need no network) that

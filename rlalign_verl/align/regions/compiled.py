@@ -5,7 +5,7 @@
 ``emulate_precision_casts=True`` so that every ``R(.)`` of the eager code stays a real rounding to
 bf16 (with the default ``False``, Inductor may keep a cast-then-upcast pair in fp32).
 
-Exactness, checked by ``tests/test_compiled_regions.py`` against the eager functions on random inputs:
+Exactness, checked by ``tests/align/test_compiled_regions.py`` against the eager functions on random inputs:
 
 * ``swiglu`` and ``apply_rope``: bit-identical outputs and gradients (elementwise math; the rotation's
   products of two bf16 values are exact in fp32, so FMA contraction cannot change them).

@@ -9,7 +9,7 @@ is compiled with the profile's ``norm_inductor`` options, graph shaped as in the
 size), every other size static, inference graph (no autograd inside). The autograd Functions below
 call that kernel in ``forward`` and keep :mod:`.rmsnorm`'s recomputing fp32 backward.
 
-Checked bit for bit against vLLM's own norm op compiled the same way (``tests/test_inductor_norm.py``).
+Checked bit for bit against vLLM's own norm op compiled the same way (``tests/align/test_inductor_norm.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def stores_sum(index: int, reads_threshold: int = 4, tp: int = 1) -> bool:
     Inductor recomputes a pointwise node in each consumer until it reads more than
     ``realize_reads_threshold`` (4) buffers, then stores it. The stream starts with the embedding gather
     (2 reads: ids, table), gains one read per added layer output, and restarts at 1 read once stored:
-    stored at norms 3, 7, 11, ... (measured on the engine floor: tests/test_inductor_norm.py). At rollout
+    stored at norms 3, 7, 11, ... (measured on the engine floor: tests/align/test_inductor_norm.py). At rollout
     tensor parallel ``tp`` > 1 the embedding is ``VocabParallelEmbedding``'s all-reduce output, one opaque
-    buffer (1 read): stored at norms 4, 8, 12, ... (measured on the TP=2 engine: tests/test_tp_engine.py).
+    buffer (1 read): stored at norms 4, 8, 12, ... (measured on the TP=2 engine: tests/tools/test_tp_engine.py).
     """
     reads = 2 if tp == 1 else 1  # gather (ids, table) at TP=1; the all-reduced partial lookups at TP>1
     for n in range(1, index + 1):

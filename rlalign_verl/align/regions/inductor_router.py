@@ -14,7 +14,7 @@ Inductor options, so the kernel is the engine's. The autograd Function calls it 
 computes the softmax backward in fp32 PyTorch (the expert selection carries no gradient, as in HF).
 
 Checked bit for bit against vLLM's own router compiled the same way, alone and inside a graph with the
-gate GEMM and the expert op around it (``tests/test_inductor_router.py``).
+gate GEMM and the expert op around it (``tests/align/test_inductor_router.py``).
 """
 
 from __future__ import annotations

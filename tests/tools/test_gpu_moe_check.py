@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_moe_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_moe_check.py"
 
 
 @pytest.mark.slow

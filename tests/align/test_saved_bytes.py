@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 _spec = importlib.util.spec_from_file_location(
-    "saved_bytes", Path(__file__).resolve().parent.parent / "benchmarks" / "saved_bytes.py"
+    "saved_bytes", Path(__file__).resolve().parents[2] / "benchmarks" / "saved_bytes.py"
 )
 _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)

@@ -19,7 +19,7 @@ import torch
 from rlalign_verl.tools.diagnose.piece_reference import gemm
 from rlalign_verl.tools.diagnose.piecewise import selection_matrix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_selection_matrix_gemm_is_exact() -> None:

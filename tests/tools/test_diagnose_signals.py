@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--num-prompts", "2", "--max-tokens", "4", "--settings", "none", "--no-floor", "--no-probe"]
 FAST += ["--no-ladder", "--no-plots"]
 

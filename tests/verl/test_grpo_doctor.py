@@ -8,7 +8,7 @@ The driver names the micro-batch, the top-p and the custom agent loop before Ray
 re-rendered round (``rounds``) and, on the tokens the round does not explain, top-p's one-sided bias.
 
 The clean multi-turn case (verl's own ``tool_agent``: every round at rounding's level, nothing named) is the
-cluster run of ``tests/test_grpo_cpu.py``.
+cluster run of ``tests/verl/test_grpo_cpu.py``.
 """
 
 from __future__ import annotations

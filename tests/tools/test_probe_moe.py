@@ -1,6 +1,6 @@
 """The MoE rows of diagnose's op probe, on the tiny Qwen3-MoE and Qwen2-MoE against the real vLLM CPU ops.
 
-Expected from the op-level checks (tests/test_moe_engine_ops.py): with the matching profile the router's
+Expected from the op-level checks (tests/tools/test_moe_engine_ops.py): with the matching profile the router's
 expert sets are identical and its weights bit-identical eager (compiled: Inductor's exp, >= 80%), the
 experts + combine >= 99.8% bit-identical; HF's math is far off (the rows can tell profiles apart).
 """

@@ -37,7 +37,7 @@ from rlalign_verl.measure.turns import ROUND_KEYS
 
 pytestmark = [pytest.mark.grpo, pytest.mark.verl, pytest.mark.engine]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 VERIFY_STEPS = (1, 3)  # alignment.verify.every=2
 MISMATCH_KEYS = {f"mismatch/{k}" for k in METRIC_NAMES + COUNT_NAMES}

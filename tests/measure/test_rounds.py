@@ -148,7 +148,7 @@ def test_bad_inputs_fail_in_one_line(kwargs, needle):
 def test_the_docs_name_every_round_key():
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reading-a-mismatch.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reading-a-mismatch.md").read_text()
     section = doc.split("## Multi-turn: the gap per round, and token identity", 1)[1].split("\n## ", 1)[0]
     train, rollout, mask = _batch([[30, 20], [25, 15]])
     ids = torch.zeros(mask.shape, dtype=torch.long)

@@ -30,7 +30,7 @@ from rlalign_verl.verl.config import read_spec, resolve_spec  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("grpo_*.sh"))
 ALIGNS = {"none": [], "rope": ["rope"], "all": ["rope", "swiglu", "rmsnorm"]}
 

@@ -293,7 +293,7 @@ def test_doctor_repeats_a_cause_only_every_n_steps():
 def test_the_docs_name_every_key():
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "reading-a-mismatch.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reading-a-mismatch.md").read_text()
     train, rollout, tok = rounding_case(0)
     doc_steps = Doctor()
     for step in range(6):

@@ -3,7 +3,7 @@
 The fake actor answers a verify pass (the ``rlalign_verify`` marker) with the *unaligned* log-probs: the
 rollout's plus ``scale`` times the aligned trainer's error (fit_harness). ``scale=2``: alignment helps (every
 token's unaligned gap is twice the aligned one: gain exactly 2); ``scale=0.5``: alignment hurts (a planted
-wrong profile). The real GRPO run checks the same on the vLLM CPU engine (tests/test_grpo_cpu.py).
+wrong profile). The real GRPO run checks the same on the vLLM CPU engine (tests/verl/test_grpo_cpu.py).
 """
 
 from __future__ import annotations

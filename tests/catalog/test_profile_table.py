@@ -11,7 +11,7 @@ import pytest
 from rlalign_verl.catalog import profile_table
 from rlalign_verl.catalog.profiles import PROFILES, NormRounding, Residual, Source
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():

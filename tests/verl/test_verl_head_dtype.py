@@ -72,7 +72,7 @@ def test_mismatched_heads_are_refused(path, extra):
 
 
 def test_opt_in_switches_reach_the_workers_in_the_spec(path):
-    """The experimental switches travel inside the one spec (their checks: tests/test_spec.py)."""
+    """The experimental switches travel inside the one spec (their checks: tests/request/test_spec.py)."""
     cfg = _cfg(path, "alignment.regions=[rope,attention]", "alignment.experimental.attention=sdpa-fp32")
     assert validate_config(cfg, on_cuda=False).engine == "vllm-cpu"
     assert _worker_spec(cfg).experimental.attention == "sdpa-fp32"
