@@ -206,7 +206,11 @@ VLLM_CPU = EngineProfile(
         ),
         # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
         VerifiedOn(
-            "vllm", "==0.32.0", "compiled", "cpu", "tests/align/test_engine_ops.py op by op on the version matrix"
+            "vllm",
+            "==0.32.0",
+            "compiled",
+            "cpu",
+            "tests/align/test_engine_ops.py op by op on the version matrix",
         ),
     ),
     verified=(
@@ -251,7 +255,11 @@ VLLM_CPU_EAGER = EngineProfile(
         ),
         # the version matrix (scripts/test_matrix.sh, .venv-vllm032): op by op and diagnose's default run
         VerifiedOn(
-            "vllm", "==0.32.0", "eager", "cpu", "tests/align/test_engine_ops.py op by op on the version matrix"
+            "vllm",
+            "==0.32.0",
+            "eager",
+            "cpu",
+            "tests/align/test_engine_ops.py op by op on the version matrix",
         ),
     ),
     verified=(

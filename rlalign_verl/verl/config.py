@@ -25,14 +25,37 @@ EP_KEY = "actor_rollout_ref.rollout.expert_parallel_size"
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
-def rollout_tp_of(config: Any) -> int:
-    """The rollout's tensor-parallel size (verl's composed config always carries it: 2 in verl 0.9.1's rollout
-    defaults; 1 when absent); a value that is no integer >= 1 is refused."""
-    value = select(config, TP_KEY, 1)
-    value = 1 if value is None else value
+PD_KEY = "actor_rollout_ref.rollout.disaggregation.enabled"
+DECODE_TP_KEY = "actor_rollout_ref.rollout.disaggregation.decode_tensor_model_parallel_size"
+
+
+def _size(key: str, value: Any) -> int:
     if isinstance(value, bool) or not str(value).strip().isdigit() or int(str(value).strip()) < 1:
-        raise AlignmentError(f"{TP_KEY}={value!r}: give the rollout's tensor-parallel size, an integer >= 1")
+        raise AlignmentError(f"{key}={value!r}: give the rollout's tensor-parallel size, an integer >= 1")
     return int(str(value).strip())
+
+
+def rollout_tp_of(config: Any, regions: tuple[str, ...] = ()) -> int:
+    """The rollout's tensor-parallel size (verl's composed config always carries it: 2 in verl 0.9.1's rollout
+    defaults; 1 when absent); a value that is no integer >= 1 is refused.
+
+    With SGLang's prefill-decode disaggregation (``rollout.disaggregation.enabled``) the decode servers may run
+    another TP size (``decode_tensor_model_parallel_size``): every response token but the first is decoded
+    there, so that size is the rollout's; the ``tp`` region models one size and refuses two.
+    """
+    value = select(config, TP_KEY, 1)
+    tp = _size(TP_KEY, 1 if value is None else value)
+    decode = select(config, DECODE_TP_KEY)
+    enabled = option_bool(select(config, PD_KEY), name=PD_KEY, default=False)
+    if decode is None or not enabled:
+        return tp
+    decode = _size(DECODE_TP_KEY, decode)
+    if decode != tp and "tp" in regions:
+        raise AlignmentError(
+            f"alignment.regions has tp but the rollout prefills at {TP_KEY}={tp} and decodes at {DECODE_TP_KEY}="
+            f"{decode}: the tp region models one all-reduce size; set {DECODE_TP_KEY}=null (or {tp}), or drop tp"
+        )
+    return decode
 
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -111,7 +134,9 @@ def resolve_spec(
 ) -> tuple[AlignmentSpec, str]:
     """``spec`` with ``engine=auto`` settled from the rollout settings and the rollout engine recorded; why."""
     rollout = str(select(config, "actor_rollout_ref.rollout.name") or "").strip().lower()
-    spec = spec.replace(rollout_tp=rollout_tp_of(config))  # a fact of the rollout, like compiled/eager
+    spec = spec.replace(
+        rollout_tp=rollout_tp_of(config, spec.regions)
+    )  # a fact of the rollout, like compiled/eager
     if spec.engine != "auto":
         return spec.replace(rollout=rollout), f"alignment.engine={spec.engine} (set explicitly)"
     if on_cuda is None:

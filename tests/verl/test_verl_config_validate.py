@@ -25,6 +25,29 @@ def _worker_spec(cfg) -> AlignmentSpec:
     return AlignmentSpec.from_json(override["rlalign_spec"])
 
 
+def test_prefill_decode_disaggregation_gives_the_decode_tp_size(qwen2_path):
+    """SGLang PD disaggregation: the decode servers' TP size is the rollout's (every response token but the
+    first is decoded there); the tp region, which models one all-reduce size, refuses two sizes."""
+    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    pd = "actor_rollout_ref.rollout.disaggregation"
+    on = (f"{pd}.enabled=true", f"{pd}.decode_tensor_model_parallel_size=1", f"{tp_key}=2")
+    spec = validate_config(valid_config(qwen2_path, "alignment.regions=[rope]", *on), on_cuda=False)
+    assert spec.rollout_tp == 1
+    off = (f"{pd}.enabled=false", f"{pd}.decode_tensor_model_parallel_size=1", f"{tp_key}=2")
+    assert (
+        validate_config(valid_config(qwen2_path, "alignment.regions=[rope]", *off), on_cuda=False).rollout_tp
+        == 2
+    )
+    with pytest.raises(Exception, match="decodes at .*decode_tensor_model_parallel_size=1") as err:
+        validate_config(valid_config(qwen2_path, "alignment.regions=[rope,tp]", *on), on_cuda=False)
+    assert "\n" not in str(err.value)
+    same = (f"{pd}.enabled=true", f"{pd}.decode_tensor_model_parallel_size=2", f"{tp_key}=2")
+    assert (
+        validate_config(valid_config(qwen2_path, "alignment.regions=[tp]", *same), on_cuda=False).rollout_tp
+        == 2
+    )
+
+
 def test_validate_writes_the_resolved_spec_for_workers(qwen2_path):
     cfg = valid_config(qwen2_path, "alignment.experimental.compile=true", "alignment.verify.every=3")
     spec = validate_config(cfg, on_cuda=False)
