@@ -137,15 +137,15 @@ def align_actor(actor: Any, settings: Settings, profile: str | None = None) -> A
 
     ``profile``: the one :func:`placed_profile` settled for this worker (default: checked here).
     """
-    from rlalign_verl.align.patch import apply_alignment, get_alignment
+    from rlalign_verl.align.patch import align_on_worker
     from rlalign_verl.catalog.placement import worker_device_type
 
     model = actor.model
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if profile is None:
-        profile = placed_profile(settings, worker_device_type(hf_model))
-    apply_alignment(hf_model, settings.spec.replace(engine=profile))
-    state = get_alignment(hf_model)
+    device = worker_device_type(hf_model)
+    spec = settings.spec if profile is None else settings.spec.replace(engine=profile)
+    # the request against this model (architecture, dtype) and device; errors spelled as --alignment.* flags
+    state = align_on_worker(hf_model, spec, device=device, spelling="flag")
     logger.info(
         "aligned %s for %s (pid %d): %s",
         type(hf_model).__name__,
