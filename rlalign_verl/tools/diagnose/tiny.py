@@ -228,6 +228,8 @@ def build_tiny_checkpoint(arch: str = "qwen2", path: str | Path | None = None, *
     try:
         _write_checkpoint(tmp, spec, seed)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint
+        if _is_complete(path, arch, seed):  # another process (a parallel test lane) finished it meanwhile
+            return path
         if path.exists():
             # incomplete or stale build: replace it
             shutil.rmtree(path, ignore_errors=True)
