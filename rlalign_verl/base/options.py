@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError
@@ -37,9 +40,30 @@ def option_bool(value: Any, *, name: str, default: bool) -> bool:
 SPELLINGS = ("hydra", "flag", "python")
 """How a key is named in messages: ``alignment.verify.every`` / ``--alignment.verify.every`` / ``every=``."""
 
+_SURFACE: ContextVar[str] = ContextVar("rlalign_verl_surface", default="hydra")
 
-def key_name(dotted: str, spelling: str = "hydra") -> str:
-    """``dotted`` (``verify.every``) as the user writes it on one surface."""
+
+@contextlib.contextmanager
+def spelled_as(spelling: str) -> Iterator[None]:
+    """Inside the block, messages name keys as ``spelling`` writes them. Set once, at a surface's edge (the
+    verl driver, the OpenRLHF launcher and workers, the Python API); the checks below it never pass it on."""
+    if spelling not in SPELLINGS:
+        raise ValueError(f"spelling={spelling!r}: use one of {', '.join(SPELLINGS)}")
+    token = _SURFACE.set(spelling)
+    try:
+        yield
+    finally:
+        _SURFACE.reset(token)
+
+
+def surface() -> str:
+    """The spelling of the surface the current request came from (``hydra`` outside any :func:`spelled_as`)."""
+    return _SURFACE.get()
+
+
+def key_name(dotted: str, spelling: str | None = None) -> str:
+    """``dotted`` (``verify.every``) as the user writes it on one surface (default: the current one)."""
+    spelling = spelling or surface()
     if spelling == "flag":
         return f"--alignment.{dotted}"
     if spelling == "python":
@@ -47,8 +71,9 @@ def key_name(dotted: str, spelling: str = "hydra") -> str:
     return f"alignment.{dotted}"
 
 
-def key_setting(dotted: str, value: str, spelling: str = "hydra") -> str:
+def key_setting(dotted: str, value: str, spelling: str | None = None) -> str:
     """``dotted`` set to ``value`` as the user writes it on one surface (``value`` in the Hydra spelling)."""
+    spelling = spelling or surface()
     if spelling == "flag":
         return f"--alignment.{dotted} {value}"
     if spelling == "python":

@@ -30,7 +30,7 @@ def transformers_version() -> str | None:
         return None
 
 
-def check_transformers(opt_in: bool, spelling: str = "hydra", version: str | None = None) -> None:
+def check_transformers(opt_in: bool, version: str | None = None) -> None:
     """Refuse (or, opted in, log once) a transformers outside :data:`TRANSFORMERS_TESTED`."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
@@ -44,7 +44,7 @@ def check_transformers(opt_in: bool, spelling: str = "hydra", version: str | Non
         inside = False
     if inside:
         return
-    key = key_name("experimental.untested_versions", spelling)
+    key = key_name("experimental.untested_versions")
     what = (
         f"transformers {found} is outside the range rlalign-verl's aligned forwards are tested on "
         f"({TRANSFORMERS_TESTED}); other versions may call decoder layers differently (checkpointing, KV cache)"
@@ -52,6 +52,6 @@ def check_transformers(opt_in: bool, spelling: str = "hydra", version: str | Non
     if not opt_in:
         raise UntestedVersionError(
             f"{what}; install 'transformers{TRANSFORMERS_TESTED}', or set "
-            f"{key_setting('experimental.untested_versions', 'true', spelling)} to try anyway"
+            f"{key_setting('experimental.untested_versions', 'true')} to try anyway"
         )
     warn_once(visible_logger("rlalign_verl"), f"{what}; continuing because {key} is set")

@@ -19,7 +19,7 @@ from rlalign_verl.base.errors import (
     ProfileMismatchError,
     UnsupportedModelError,
 )
-from rlalign_verl.base.options import key_name, key_setting
+from rlalign_verl.base.options import key_name, key_setting, spelled_as, surface
 from rlalign_verl.catalog.compat import check_transformers
 from rlalign_verl.catalog.placement import ROLLOUT_ENGINES, check_rollout
 from rlalign_verl.catalog.profiles import PROFILES, EngineProfile, get_profile
@@ -81,7 +81,7 @@ def validate_request(
     expert_parallel: Any = None,
     param_dtype: Any = None,
     class_form: bool = False,
-    spelling: str = "hydra",
+    spelling: str | None = None,
 ) -> EngineProfile | None:
     """The profile ``spec`` aligns to, after every check the given facts allow; ``None`` when no region is on.
 
@@ -89,14 +89,32 @@ def validate_request(
     explicit one for another device is refused. ``rollout``: the rollout engine's name. ``liger``: the model is
     built with Liger kernels. ``expert_parallel``: the rollout's expert-parallel size (or the flag that sets it);
     the rollout's tensor-parallel size is the request's own ``rollout_tp``. ``param_dtype``: the
-    model's parameter dtype. ``class_form``: ``apply_alignment(model=None)``.
+    model's parameter dtype. ``class_form``: ``apply_alignment(model=None)``. ``spelling``: how messages name
+    keys (``hydra``, ``flag``, ``python``; default: the surface already set, :func:`~rlalign_verl.base.options.
+    spelled_as`).
     """
     if not spec.regions:
         return None
+    with spelled_as(spelling or surface()):
+        return _validate(spec, model_type, model_config, device, rollout, liger, expert_parallel, param_dtype,
+                         class_form)  # fmt: skip
+
+
+def _validate(
+    spec: AlignmentSpec,
+    model_type: str | None,
+    model_config: Any,
+    device: str | None,
+    rollout: str | None,
+    liger: bool,
+    expert_parallel: Any,
+    param_dtype: Any,
+    class_form: bool,
+) -> EngineProfile:
     regions = spec.regions
     exp = spec.experimental
-    check_retired_env(spelling)
-    check_transformers(exp.untested_versions, spelling)
+    check_retired_env()
+    check_transformers(exp.untested_versions)
     profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
     if liger:
         raise LigerConflictError(
@@ -108,13 +126,13 @@ def validate_request(
         from rlalign_verl.catalog.placement import vllm_cpu_kernel_store
 
         vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
-    check_kernels(exp.kernels, exp.compile, device, spelling)
+    check_kernels(exp.kernels, exp.compile, device)
     if "attention" in regions:
         check_attention(profile)
     if exp.compiled_norm:
-        check_compiled_norm(profile, regions, spelling)
+        check_compiled_norm(profile, regions)
     if exp.moe_variant == "engine-op":
-        check_moe_variant(profile, regions, spelling)
+        check_moe_variant(profile, regions)
     if "tp" in regions:
         check_tp(profile, spec.rollout_tp)
     if class_form and "lm_head" in regions:
@@ -135,16 +153,15 @@ RETIRED_ENV = {
 """Environment variables earlier releases read as a second source of truth, and the setting that replaced each."""
 
 
-def check_retired_env(spelling: str = "hydra", environ: Any = None) -> None:
+def check_retired_env(environ: Any = None) -> None:
     """Refuse a retired variable that is set: it would be ignored, and the user expects it to act."""
     env = os.environ if environ is None else environ
+    spelling = surface()
     for name, (key, values) in RETIRED_ENV.items():
         if env.get(name):
             value = values.get(spelling, values["hydra"])
             setting = (
-                f"{key.rsplit('.', 1)[-1]}={value!r}"
-                if spelling == "python"
-                else key_setting(key, value, spelling)
+                f"{key.rsplit('.', 1)[-1]}={value!r}" if spelling == "python" else key_setting(key, value)
             )
             raise ConfigFormatError(
                 f"{name} is no longer read (one setting decides, on the driver); unset it and set {setting} instead"
@@ -176,17 +193,16 @@ def _placed(spec: AlignmentSpec, device: str | None, rollout: str | None) -> Eng
 # --- switches ----------------------------------------------------------------------------------
 
 
-def check_kernels(kernels: str, compile_: bool, device: str | None, spelling: str = "hydra") -> None:
+def check_kernels(kernels: str, compile_: bool, device: str | None) -> None:
     """``triton``: installed, not together with ``compile``, and only where the model runs on CUDA."""
     if kernels != "triton":
         return
-    name = key_name("experimental.kernels", spelling)
+    name = key_name("experimental.kernels")
     if compile_:
         raise AlignmentError(
-            f"{name}triton and {key_name('experimental.compile', spelling)}true both replace SwiGLU/RoPE; choose one"
-            if spelling == "python"
-            else f"{name}=triton and {key_name('experimental.compile', spelling)}=true both replace SwiGLU/RoPE; "
-            "choose one"
+            f"{name}triton and {key_name('experimental.compile')}true both replace SwiGLU/RoPE; choose one"
+            if surface() == "python"
+            else f"{name}=triton and {key_name('experimental.compile')}=true both replace SwiGLU/RoPE; choose one"
         )
     if device == "cpu":
         raise AlignmentError(
@@ -210,8 +226,8 @@ def check_attention(profile: EngineProfile) -> None:
     )
 
 
-def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], spelling: str = "hydra") -> None:
-    on = key_setting("experimental.compiled_norm", "true", spelling)
+def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+    on = key_setting("experimental.compiled_norm", "true")
     if not profile.norm_inductor:
         raise AlignmentError(
             f"{on}: profile {profile.name!r} does not run its norms as an Inductor graph the trainer can "
@@ -221,9 +237,9 @@ def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...], spelli
         raise AlignmentError(f"{on} needs the rmsnorm region; add rmsnorm to the regions")
 
 
-def check_moe_variant(profile: EngineProfile, regions: tuple[str, ...], spelling: str = "hydra") -> None:
-    on = key_setting("experimental.moe_variant", "engine-op", spelling)
-    off = key_setting("experimental.moe_variant", "emulate", spelling)
+def check_moe_variant(profile: EngineProfile, regions: tuple[str, ...]) -> None:
+    on = key_setting("experimental.moe_variant", "engine-op")
+    off = key_setting("experimental.moe_variant", "emulate")
     if not (profile.engine == "vllm" and profile.device == "cpu" and profile.moe is not None):
         raise AlignmentError(
             f"{on} runs vLLM CPU's cpu_fused_moe and mirrors the vllm-cpu profiles only, not {profile.name}; "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError
-from rlalign_verl.base.options import key_name, parse_bool
+from rlalign_verl.base.options import key_name, parse_bool, spelled_as
 from rlalign_verl.request.regions import normalize_regions
 from rlalign_verl.request.values import bad_value, choice, integer, names
 
@@ -113,7 +113,7 @@ _RESOLVED_FROM = {"engine_auto": "engine=auto", "rollout": "the rollout engine's
                                 "tensor_model_parallel_size; OpenRLHF: --vllm.tensor_parallel_size)"}  # fmt: skip
 
 
-def refuse_resolved_keys(data: Mapping, spelling: str) -> None:
+def refuse_resolved_keys(data: Mapping, spelling: str | None = None) -> None:
     """A user's ``alignment`` settings never hold :data:`RESOLVED_KEYS`: the driver sets them (a value given by hand
     would be overwritten or trusted unchecked), so one is refused in one line naming where it comes from."""
     for key in RESOLVED_KEYS:
@@ -164,15 +164,16 @@ class AlignmentSpec:
         if isinstance(value, str):
             return cls.from_json(value)
         data = _plain(value) if value is not None else {}
-        if not isinstance(data, Mapping):
-            raise ConfigFormatError(
-                f"the alignment settings are a {type(data).__name__} ({data!r}), not a mapping; give e.g. "
-                f"{key_name('regions', spelling)}{'' if spelling == 'python' else '='}[rope]"
-            )
-        data = dict(data)
-        if kwargs:
-            data.update(_from_keywords(kwargs))
-        return _build(data, spelling)
+        with spelled_as(spelling):
+            if not isinstance(data, Mapping):
+                raise ConfigFormatError(
+                    f"the alignment settings are a {type(data).__name__} ({data!r}), not a mapping; give e.g. "
+                    f"{key_name('regions')}{'' if spelling == 'python' else '='}[rope]"
+                )
+            data = dict(data)
+            if kwargs:
+                data.update(_from_keywords(kwargs))
+            return _build(data)
 
     @classmethod
     def from_json(cls, text: str | Mapping) -> AlignmentSpec:
@@ -293,7 +294,7 @@ def _from_keywords(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str, spelling: str) -> None:
+def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str) -> None:
     import difflib
 
     for raw in data:
@@ -303,7 +304,7 @@ def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str, spelling: 
         dotted = f"{prefix}{key}"
         if not prefix and key in MOVED:
             raise ConfigFormatError(
-                f"{key_name(key, spelling)} moved to {key_name(MOVED[key], spelling)}; rename it "
+                f"{key_name(key)} moved to {key_name(MOVED[key])}; rename it "
                 f"(the top level holds {', '.join(k for k in TOP_KEYS if k != 'experimental')})"
             )
         # near misses among this level's keys and, at the top, the keys that moved below it
@@ -314,14 +315,14 @@ def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str, spelling: 
         hint = ""
         if near:
             full = next(full for full, short in candidates.items() if short == near[0])
-            hint = f"did you mean {key_name(full, spelling)}? "
+            hint = f"did you mean {key_name(full)}? "
         raise ConfigFormatError(
-            f"unknown alignment key {key_name(dotted, spelling)}; {hint}valid: "
-            + ", ".join(key_name(prefix + k, spelling) for k in allowed if k not in RESOLVED_KEYS)
+            f"unknown alignment key {key_name(dotted)}; {hint}valid: "
+            + ", ".join(key_name(prefix + k) for k in allowed if k not in RESOLVED_KEYS)
         )
 
 
-def _section(data: Mapping, name: str, spelling: str) -> dict:
+def _section(data: Mapping, name: str) -> dict:
     node = _plain(data.get(name))
     if node is None:
         return {}
@@ -335,37 +336,32 @@ def _section(data: Mapping, name: str, spelling: str) -> dict:
         raise bad_value(
             name,
             node,
-            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + ('every' if name == 'verify' else 'compile'), spelling)}",
-            spelling,
+            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + ('every' if name == 'verify' else 'compile'))}",
         )
     return dict(node)
 
 
-def _build(data: Mapping, spelling: str) -> AlignmentSpec:
-    _check_keys(data, TOP_KEYS + RESOLVED_KEYS, "", spelling)
-    v = _section(data, "verify", spelling)
-    _check_keys(v, _VERIFY_KEYS, "verify.", spelling)
-    d = _section(data, "doctor", spelling)
-    _check_keys(d, _DOCTOR_KEYS, "doctor.", spelling)
-    x = _section(data, "experimental", spelling)
-    _check_keys(x, _EXPERIMENTAL_KEYS, "experimental.", spelling)
+def _build(data: Mapping) -> AlignmentSpec:
+    _check_keys(data, TOP_KEYS + RESOLVED_KEYS, "")
+    v = _section(data, "verify")
+    _check_keys(v, _VERIFY_KEYS, "verify.")
+    d = _section(data, "doctor")
+    _check_keys(d, _DOCTOR_KEYS, "doctor.")
+    x = _section(data, "experimental")
+    _check_keys(x, _EXPERIMENTAL_KEYS, "experimental.")
     default_v, default_x = VerifySpec(), Experimental()
 
     def flag(section: dict, name: str, default: bool, prefix: str) -> bool:
         value = section.get(name)
-        return (
-            default
-            if value is None
-            else parse_bool(value, name=key_name(prefix + name, spelling).rstrip("="))
-        )
+        return default if value is None else parse_bool(value, name=key_name(prefix + name).rstrip("="))
 
     verify = VerifySpec(
         enable=flag(v, "enable", default_v.enable, "verify."),
-        every=integer(v.get("every", default_v.every), "verify.every", spelling, 0),
-        max_seqs=integer(v.get("max_seqs", default_v.max_seqs), "verify.max_seqs", spelling, 1),
-        on_worse=choice(v.get("on_worse", default_v.on_worse), ON_WORSE, "verify.on_worse", spelling),
+        every=integer(v.get("every", default_v.every), "verify.every", 0),
+        max_seqs=integer(v.get("max_seqs", default_v.max_seqs), "verify.max_seqs", 1),
+        on_worse=choice(v.get("on_worse", default_v.on_worse), ON_WORSE, "verify.on_worse"),
         on_worse_later=choice(
-            v.get("on_worse_later", default_v.on_worse_later), ON_WORSE, "verify.on_worse_later", spelling
+            v.get("on_worse_later", default_v.on_worse_later), ON_WORSE, "verify.on_worse_later"
         ),
         ladder=flag(v, "ladder", default_v.ladder, "verify."),
         skip_unverified_engine=flag(v, "skip_unverified_engine", default_v.skip_unverified_engine, "verify."),
@@ -374,20 +370,18 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
 
     doctor = DoctorSpec(
         enable=flag(d, "enable", True, "doctor."),
-        allow=names(d.get("allow"), FINDING_KEYS, "doctor.allow", spelling),
+        allow=names(d.get("allow"), FINDING_KEYS, "doctor.allow"),
     )
     experimental = Experimental(
         attention=choice(
             _given(x, "attention", default_x.attention),
             ATTENTION_VARIANTS,
             "experimental.attention",
-            spelling,
         ),  # fmt: skip
         head_dtype=choice(
             _given(x, "head_dtype", default_x.head_dtype),
             ("float32", "model"),
             "experimental.head_dtype",
-            spelling,
             HEAD_DTYPES,
         ),  # fmt: skip
         compiled_norm=flag(x, "compiled_norm", default_x.compiled_norm, "experimental."),
@@ -395,11 +389,10 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
             _given(x, "moe_variant", default_x.moe_variant),
             MOE_VARIANTS,
             "experimental.moe_variant",
-            spelling,
         ),  # fmt: skip
-        kernels=choice(_given(x, "kernels", default_x.kernels), KERNELS, "experimental.kernels", spelling),
+        kernels=choice(_given(x, "kernels", default_x.kernels), KERNELS, "experimental.kernels"),
         compile=flag(x, "compile", default_x.compile, "experimental."),
-        unverified=names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified", spelling),
+        unverified=names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified"),
         metrics_quantiles=flag(x, "metrics_quantiles", default_x.metrics_quantiles, "experimental."),
         untested_versions=flag(x, "untested_versions", default_x.untested_versions, "experimental."),
     )
@@ -409,32 +402,25 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
             "regions",
             None,
             "give a list of region names, e.g. [rope,swiglu,rmsnorm], or [] to turn it off",
-            spelling,
         )
     if isinstance(regions_value, bool | int | float):
-        raise bad_value(
-            "regions", regions_value, "give a list of region names, e.g. [rope,swiglu,rmsnorm]", spelling
-        )
+        raise bad_value("regions", regions_value, "give a list of region names, e.g. [rope,swiglu,rmsnorm]")
     from rlalign_verl.catalog.profiles import EngineProfile, get_profile
 
     engine = data.get("engine")
     engine = "auto" if engine is None else engine
     if not isinstance(engine, EngineProfile) and not engine:  # False/0/'' never mean auto
-        raise bad_value(
-            "engine", engine, "give auto or a profile name (rlalign-verl profiles lists them)", spelling
-        )
+        raise bad_value("engine", engine, "give auto or a profile name (rlalign-verl profiles lists them)")
     if not isinstance(engine, EngineProfile):
         engine = str(engine).strip().lower()
         engine = engine if engine == "auto" else get_profile(engine).name
     rollout = data.get("rollout")
     rollout = "" if rollout is None else rollout
     if not isinstance(rollout, str):
-        raise bad_value(
-            "rollout", rollout, "the driver writes the rollout engine's name (vllm, sglang)", spelling
-        )
+        raise bad_value("rollout", rollout, "the driver writes the rollout engine's name (vllm, sglang)")
     rollout = rollout.strip().lower()
     rollout_tp = data.get("rollout_tp")
-    rollout_tp = 1 if rollout_tp is None else integer(rollout_tp, "rollout_tp", spelling, 1)
+    rollout_tp = 1 if rollout_tp is None else integer(rollout_tp, "rollout_tp", 1)
     engine_auto = data.get("engine_auto")
     engine_auto = False if engine_auto is None else parse_bool(engine_auto, name="engine_auto")
     return AlignmentSpec(
@@ -442,7 +428,7 @@ def _build(data: Mapping, spelling: str) -> AlignmentSpec:
         engine=engine,
         metrics=True
         if data.get("metrics") is None
-        else parse_bool(data["metrics"], name=key_name("metrics", spelling).rstrip("=")),
+        else parse_bool(data["metrics"], name=key_name("metrics").rstrip("=")),
         verify=verify,
         doctor=doctor,
         experimental=experimental,

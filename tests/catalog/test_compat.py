@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rlalign_verl.base.options import spelled_as
 from rlalign_verl.catalog import compat
 from rlalign_verl.catalog.compat import TRANSFORMERS_TESTED, UntestedVersionError, check_transformers
 
@@ -42,7 +43,8 @@ def test_versions_outside_the_range_are_refused_in_one_line(version, inside):
 )  # fmt: skip
 def test_the_error_names_the_opt_in_as_each_surface_spells_it(spelling, setting):
     with pytest.raises(UntestedVersionError, match=setting.replace(".", r"\.")):
-        check_transformers(False, spelling, version="5.30.0")
+        with spelled_as(spelling):
+            check_transformers(False, version="5.30.0")
 
 
 def test_opt_in_logs_once_per_version(monkeypatch, caplog):
