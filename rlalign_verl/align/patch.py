@@ -175,7 +175,7 @@ def _install_class_hooks(spec: AlignmentSpec, profile: EngineProfile) -> None:
     def make(original: Callable) -> Callable:
         def init(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            validate_request(spec, model_type=_model_type(self), model_config=self.config)
+            validate_request(spec, model_type=_model_type(self), model_config=self.config, spelling="python")
             _patch_instance(self, spec, profile)
             _patched_models.add(self)
 
@@ -242,13 +242,13 @@ def apply_alignment(
     experimental switches ``compile``, ``kernels``, ``attention``, ``head_dtype``, ``compiled_norm``,
     ``unverified``, ``moe_variant`` (see :class:`~rlalign_verl.request.spec.Experimental`).
     With ``model=None`` every supported model constructed afterwards is aligned (class form).
-    Idempotent; ``regions=()`` changes nothing. Every check of :meth:`AlignmentSpec.validate` runs first; each
+    Idempotent; ``regions=()`` changes nothing. Every check of :func:`~rlalign_verl.request.checks.validate_request` runs first; each
     failure is an :class:`~rlalign_verl.base.errors.AlignmentError` whose one-line message names the fix.
     """
     check_model_arg(model)
     request = _spec_of(spec, dict(kwargs))
     if model is None:
-        profile = validate_request(request, class_form=True)
+        profile = validate_request(request, class_form=True, spelling="python")
         if profile is None:
             _remove_class_hooks()
         else:
