@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+from gloo_fsdp import child_env
 
 PROFILES = ("hf", "vllm-eager", "sglang", "vllm-cpu-eager", "vllm", "vllm-cpu")
 THREE = ("rope", "swiglu", "rmsnorm")
@@ -32,7 +33,7 @@ WORLD = 2
 @pytest.mark.slow
 def test_fsdp2_gradients_equal_unsharded_for_every_carry_kind(tmp_path) -> None:
     out_file = tmp_path / "grads.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env = child_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     for _ in range(2):  # a rank killed by a signal (gloo's transport, not the numbers) gets one more try
         out = subprocess.run(
             [sys.executable, __file__, "child", str(out_file)],
@@ -85,7 +86,7 @@ def _rank(rank: int, out_file: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
+    from gloo_fsdp import init_gloo_fsdp  # tests/support: on PYTHONPATH (child_env)
     from torch.distributed.fsdp import fully_shard
 
     from rlalign_verl.align.patch import apply_alignment
@@ -130,7 +131,7 @@ def _rank(rank: int, out_file: str) -> None:
 
 def _child(out_file: str) -> None:
     import torch.multiprocessing as mp
-    from support.gloo_fsdp import free_port  # tests/ is sys.path[0] in this child process
+    from gloo_fsdp import free_port  # tests/support: on PYTHONPATH (child_env)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(_rank, args=(out_file,), nprocs=WORLD, join=True)

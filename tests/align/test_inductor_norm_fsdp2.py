@@ -9,11 +9,11 @@ autograd, sharding or recomputation. Backward: the wrapped, checkpointed model's
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from gloo_fsdp import child_env
 
 from rlalign_verl.align.regions.compiled import inductor_available
 
@@ -24,7 +24,7 @@ REGIONS = ("rope", "swiglu", "rmsnorm")
 
 def test_fsdp2_checkpointed_compiled_norm(tiny_checkpoint):
     paths = {arch: str(tiny_checkpoint(arch)) for arch in ("qwen3", "llama")}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = child_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(
         [sys.executable, __file__, "child", json.dumps(paths)],
         capture_output=True,
@@ -67,7 +67,7 @@ def _child(paths: dict[str, str]) -> None:
 
     import torch
     import torch.distributed as dist
-    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
+    from gloo_fsdp import init_gloo_fsdp  # tests/support: on PYTHONPATH (child_env)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlalign_verl.align.patch import apply_alignment

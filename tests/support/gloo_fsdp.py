@@ -1,13 +1,22 @@
 """The one FSDP2-on-CPU setup the FSDP2 tests share: a gloo process group, a CPU mesh, verl's bf16 policy.
 
-Imported inside the tests' child processes (``python tests/test_x.py child ...``), where ``tests/support``
-imports it as ``support.gloo_fsdp`` (the test file's directory is ``sys.path[0]``).
+Imported inside the tests' child processes (``python tests/<layer>/test_x.py child ...``), started with
+:func:`child_env`, which puts ``tests/support`` on their ``PYTHONPATH`` (as pytest's ``pythonpath`` does here).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
+
+SUPPORT = Path(__file__).resolve().parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment, plus ``extra``, with ``tests/support`` first on ``PYTHONPATH``."""
+    path = os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def free_port() -> int:

@@ -13,11 +13,11 @@ leak into other tests.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from gloo_fsdp import child_env
 
 pytestmark = pytest.mark.slow  # the edit-loop tier leaves it out (pyproject markers)
 
@@ -30,7 +30,7 @@ def tiny_paths(tiny_checkpoint) -> dict[str, str]:
 
 
 def test_fsdp2_cast_forward_inputs_keeps_aligned_logits_bit_identical(tiny_paths):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = child_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out = subprocess.run(
         [sys.executable, __file__, "child", json.dumps(tiny_paths)],
         capture_output=True,
@@ -57,7 +57,7 @@ def _child(paths: dict[str, str]) -> None:
 
     import torch
     import torch.distributed as dist
-    from support.gloo_fsdp import init_gloo_fsdp  # tests/ is sys.path[0] in this child process
+    from gloo_fsdp import init_gloo_fsdp  # tests/support: on PYTHONPATH (child_env)
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
