@@ -28,6 +28,7 @@ from rlalign_verl.align.regions.swiglu import swiglu
 from rlalign_verl.base.errors import ComputeDtypeError
 from rlalign_verl.catalog.families import get_family
 from rlalign_verl.catalog.profiles import HF, EngineProfile, Residual
+from rlalign_verl.request.regions import shown_settings
 from rlalign_verl.request.spec import AlignmentSpec
 
 
@@ -79,12 +80,14 @@ class AlignmentState:
 
     def describe(self) -> str:
         extra = (" compiled" if self.compiled else "") + (" triton" if self.kernels == "triton" else "")
-        extra += f" attention={self.attention_variant}" if "attention" in self.regions else ""
-        extra += f" head_dtype={self.head_dtype}" if "lm_head" in self.regions else ""
+        for dotted in shown_settings(self.regions):  # each region's own setting (the registry's `shows`)
+            value = self.spec
+            for part in dotted.split("."):
+                value = getattr(value, part)
+            extra += f" {dotted.rsplit('.', 1)[-1]}={value}"
         extra += " compiled_norm" if self.compiled_norm else ""
         extra += f" unverified={','.join(self.unverified)}" if self.unverified else ""
         extra += f" moe_variant={self.moe_variant}" if self.moe_variant != "emulate" else ""
-        extra += f" rollout_tp={self.spec.rollout_tp}" if "tp" in self.regions else ""
         return f"regions={list(self.regions)} profile={self.profile.name} model_type={self.model_type}{extra}"
 
     # the rounding each region uses: the profile's where aligned, HF's own elsewhere

@@ -40,9 +40,7 @@ from rlalign_verl.request.spec import AlignmentSpec
 
 logger = logging.getLogger("rlalign_verl")
 
-_STATE_ATTR = "_rlalign_state"
-STATE_ATTR = _STATE_ATTR
-"""Instance attribute holding the :class:`AlignmentState` on the aligned model (and its base model)."""
+_STATE_ATTR = "_rlalign_state"  # instance attribute: the AlignmentState on the aligned model (and its base model)
 
 
 def _is_liger(obj: object) -> bool:

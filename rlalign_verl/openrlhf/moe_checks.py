@@ -36,14 +36,6 @@ def _flag(argv: Sequence[str], names: Sequence[str]) -> str | None:
     return value
 
 
-def moe_model_type(argv: Sequence[str]) -> str | None:
-    """The model type of a local MoE checkpoint given to OpenRLHF, else None (dense, remote or unreadable)."""
-    from rlalign_verl.catalog.families import FAMILIES
-
-    model_type = local_model_type(argv)
-    return model_type if model_type is not None and FAMILIES[model_type].experts is not None else None
-
-
 def local_model_type(argv: Sequence[str]) -> str | None:
     """The model type of a local checkpoint of a supported family given to OpenRLHF, else None."""
     from rlalign_verl.catalog.families import FAMILIES

@@ -45,8 +45,6 @@ from rlalign_verl.request.spec import AlignmentSpec, refuse_resolved_keys
 ENV = "RLALIGN_OPENRLHF"
 """The one env var carrying the launcher's settings (JSON) to every Ray worker."""
 FLAG_PREFIX = "--alignment."
-LAUNCHER_FLAGS = ("collect_rollout_logprobs",)
-"""``--alignment.*`` flags of the launcher itself (not part of the spec)."""
 SWITCHES = (
     "metrics",
     "collect_rollout_logprobs",

@@ -25,7 +25,6 @@ from rlalign_verl.catalog.placement import ROLLOUT_ENGINES, check_rollout
 from rlalign_verl.catalog.profiles import PROFILES, EngineProfile, get_profile
 from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
 
-DENSE_ONLY = "compiled_norm"
 OPT_IN_HINT = (
     "opt in with alignment.experimental.unverified=[moe] (verl) / --alignment.experimental.unverified moe "
     "(OpenRLHF) / apply_alignment(..., unverified=('moe',))"

@@ -30,6 +30,8 @@ class Region:
     """Family roles (:class:`~rlalign_verl.catalog.families.ModelFamily` fields) whose forward it replaces."""
     rung: bool = False
     """The step-1 verify ladder recomputes the log-probs with this region alone aligned."""
+    shows: str | None = None
+    """The request setting ``describe`` prints with the region (``experimental.attention``, ``rollout_tp``)."""
     only_tp: bool = False
     """Changes nothing at rollout tensor-parallel size 1 (its rung is then left out of the ladder)."""
     plan: str | None = None
@@ -57,14 +59,29 @@ REGISTRY: tuple[Region, ...] = (
         "moe",
         plan="rlalign_verl.align.moe_patch:plan",
     ),
-    Region("attention", "the engine's attention op (vLLM CPU profiles)", False, None, ("attention",)),
-    Region("lm_head", "the engine's head dtype", False, None, plan="rlalign_verl.align.regions.lm_head:plan"),
+    Region(
+        "attention",
+        "the engine's attention op (vLLM CPU profiles)",
+        False,
+        None,
+        ("attention",),
+        shows="experimental.attention",
+    ),
+    Region(
+        "lm_head",
+        "the engine's head dtype",
+        False,
+        None,
+        shows="experimental.head_dtype",
+        plan="rlalign_verl.align.regions.lm_head:plan",
+    ),
     Region(
         "tp",
         "the rollout's tensor-parallel reduction in o_proj/down_proj",
         False,
         "tp",
         rung=True,
+        shows="rollout_tp",
         only_tp=True,
         plan="rlalign_verl.align.regions.tp:plan",
     ),
@@ -72,7 +89,6 @@ REGISTRY: tuple[Region, ...] = (
 BY_NAME: dict[str, Region] = {r.name: r for r in REGISTRY}
 
 REGIONS: tuple[str, ...] = tuple(r.name for r in REGISTRY if r.in_all)
-ALL_REGIONS = REGIONS
 OPT_IN_REGIONS: tuple[str, ...] = tuple(r.name for r in REGISTRY if not r.in_all)
 
 
@@ -123,6 +139,12 @@ def ladder_rungs(regions: tuple[str, ...], rollout_tp: int) -> list[str]:
         for r in REGISTRY
         if r.rung and r.name in regions and len(regions) > 1 and not (r.only_tp and rollout_tp == 1)
     ]
+
+
+def shown_settings(regions: Iterable[str]) -> tuple[str, ...]:
+    """The request settings (dotted) that describe an alignment of ``regions``, in registry order."""
+    wanted = set(regions)
+    return tuple(r.shows for r in REGISTRY if r.name in wanted and r.shows)
 
 
 def wrapped_roles(regions: Iterable[str]) -> tuple[str, ...]:

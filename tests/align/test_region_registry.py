@@ -95,3 +95,13 @@ def test_get_alignment_checks_the_rows_wrapped_roles():
     mlp.forward = type(mlp).forward.__get__(mlp)  # an instance patch after alignment (as Liger's would be)
     with pytest.raises(AlignmentOverriddenError):
         get_alignment(model)
+
+
+def test_describe_shows_each_rows_setting(monkeypatch):
+    model = _tiny()
+    apply_alignment(model, regions=["rope", "lm_head", "tp"], engine="vllm-cpu", rollout_tp=2)
+    text = get_alignment(model).describe()
+    assert "head_dtype=float32" in text and "rollout_tp=2" in text and "attention=" not in text
+    rows = tuple(dataclasses.replace(r, shows=None) if r.name == "tp" else r for r in REGISTRY)
+    monkeypatch.setattr(registry, "REGISTRY", rows)
+    assert "rollout_tp" not in get_alignment(model).describe()
