@@ -39,7 +39,7 @@ elif [ "${RLALIGN_TEST_LANES:-2}" = 1 ]; then
     second_lane
 else
     lane_log=$(mktemp "${TMPDIR:-/tmp}/rlalign-lane2.XXXXXX")
-    second_lane >"${lane_log}" 2>&1 &
+    (failed=() && second_lane) >"${lane_log}" 2>&1 &  # the lane names only its own failed tiers
     lane_pid=$!
     tier main .venv/bin/python -m pytest tests -m "not grpo" --durations=25
     wait "${lane_pid}"

@@ -40,7 +40,8 @@ from rlalign_verl.request.spec import AlignmentSpec
 
 logger = logging.getLogger("rlalign_verl")
 
-_STATE_ATTR = "_rlalign_state"  # instance attribute: the AlignmentState on the aligned model (and its base model)
+# instance attribute: the AlignmentState on the aligned model (and its base model)
+_STATE_ATTR = "_rlalign_state"
 
 
 def _is_liger(obj: object) -> bool:

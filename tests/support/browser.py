@@ -8,10 +8,12 @@ written. ``scripts/setup.sh`` installs the package where apt is available; :func
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -116,13 +118,14 @@ def render(page: Path, screenshot: Path, width: int = 1280, timeout: float = 90.
     exe = chromium()
     if exe is None:
         raise FileNotFoundError("no chromium executable (apt-get install chromium, or set CHROMIUM)")
-    with tempfile.TemporaryDirectory(prefix="rlalign-chromium-") as profile:
+    profile = tempfile.mkdtemp(prefix="rlalign-chromium-")
+    try:
         proc = subprocess.Popen(
             [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--remote-debugging-address=127.0.0.1",
              "--remote-debugging-port=0", f"--user-data-dir={profile}", f"--window-size={width},900",
              "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         try:
             port = _devtools_port(proc, timeout)
@@ -149,8 +152,29 @@ def render(page: Path, screenshot: Path, width: int = 1280, timeout: float = 90.
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
                 return Rendered(seen["title"], _errors(tab.events), seen["images"], seen["text"])
         finally:
-            proc.kill()
-            proc.wait(timeout=30)
+            _stop(proc)
+    finally:
+        _remove(profile)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill Chromium and its helper processes (renderer, GPU, crashpad: its session), then reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _remove(profile: str) -> None:
+    """Remove the profile directory; a helper that outlived the kill by a moment may still write into it."""
+    for _ in range(20):
+        try:
+            shutil.rmtree(profile)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.25)
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _devtools_port(proc: subprocess.Popen, timeout: float) -> int:

@@ -32,6 +32,7 @@ import pytest
 from grpo_recipe import recipe_env, rows, tool_agent
 from ray_cluster import ClusterRun, LocalCluster
 
+from rlalign_verl.measure.doctor import DUP_SHARE
 from rlalign_verl.measure.metrics import COUNT_NAMES, METRIC_NAMES
 from rlalign_verl.measure.turns import ROUND_KEYS
 
@@ -228,8 +229,11 @@ def test_a_clean_aligned_run_names_no_cause(cluster):
     gap is rounding's, every step and every round."""
     for r in rows(cluster.out / "all.jsonl"):
         assert r["data"]["mismatch/doctor/findings"] == 0.0, (r["step"], r["data"])
-        # the v1 trainer's group ids reach the doctor (read from TransferQueue): no two samples of a prompt agree
-        assert r["data"]["mismatch/doctor/dup_rate"] == 0.0, r["step"]
+        # the v1 trainer's group ids reach the doctor (read from TransferQueue: without them there is no dup_rate);
+        # two samples of a prompt may agree by chance (a tiny model, short responses: 1 of 8 was seen), never the
+        # share that the doctor calls a finding
+        dup = r["data"].get("mismatch/doctor/dup_rate")
+        assert dup is not None and 0.0 <= dup < DUP_SHARE, (r["step"], dup)
     log = (cluster.out / "all.log").read_text(errors="replace")
     assert [line for line in log.splitlines() if "doctor:" in line] == [], "a clean run was blamed"
 
