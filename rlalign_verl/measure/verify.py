@@ -140,10 +140,8 @@ def compare(
     su_b, sa_b, nb = resampled_sums(torch.stack([s_u, s_a, n]), seed=seed, n_boot=n_boot)
     diff_b = (su_b - sa_b) / nb
     gain_b = _ratio(su_b, sa_b)
-    interval = percentile_interval
-
     diff = float((s_u.sum() - s_a.sum()) / tokens)
-    decision = interval(diff_b, DECISION_LEVEL)
+    decision = percentile_interval(diff_b, DECISION_LEVEL)
     verdict = 1 if decision[0] > 0 else (-1 if decision[1] < 0 else 0)
     return VerifyResult(
         aligned=float(s_a.sum() / tokens),
@@ -151,10 +149,10 @@ def compare(
         aligned_exact=float(exact_a),
         unaligned_exact=float(exact_u),
         paired_diff=diff,
-        paired_diff_ci=interval(diff_b, REPORT_LEVEL),
+        paired_diff_ci=percentile_interval(diff_b, REPORT_LEVEL),
         decision_ci=decision,
         gain=float(_ratio(s_u.sum(), s_a.sum())),
-        gain_ci=interval(gain_b, REPORT_LEVEL),
+        gain_ci=percentile_interval(gain_b, REPORT_LEVEL),
         verdict=verdict,
         num_seqs=int(n.numel()),
         num_tokens=int(tokens),

@@ -8,7 +8,7 @@ idempotent and does, depending on the settings:
 - regions set: wraps ``openrlhf.models.actor.Actor.__init__``. OpenRLHF builds the policy, the reference
   and the EMA model with this class (critic and reward models use another builder and stay as they
   are); after the original ``__init__`` has loaded the HF model, and before DeepSpeed wraps it, the
-  model is aligned with :func:`rlalign_verl.align.patch.apply_alignment`. One log line per aligned model.
+  model is aligned with :func:`rlalign_verl.align.patch.align_on_worker`. One log line per aligned model.
   Before the checkpoint loads, the profile is checked against the worker's device
   (:func:`placed_profile`, :mod:`rlalign_verl.catalog.placement`).
   ``use_liger_kernel=True`` is refused (``LigerConflictError``).

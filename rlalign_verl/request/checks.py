@@ -95,54 +95,39 @@ def validate_request(
     if not spec.regions:
         return None
     with spelled_as(spelling or surface()):
-        return _validate(spec, model_type, model_config, device, rollout, liger, expert_parallel, param_dtype,
-                         class_form)  # fmt: skip
+        regions = spec.regions
+        exp = spec.experimental
+        check_retired_env()
+        check_transformers(exp.untested_versions)
+        profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
+        if liger:
+            raise LigerConflictError(
+                "Liger kernels replace the RoPE, RMSNorm and SwiGLU forwards that alignment patches; build the model "
+                "without Liger (verl: actor_rollout_ref.model.use_liger=False; OpenRLHF: drop --ds.use_liger_kernel) "
+                "or turn alignment off"
+            )
+        if "rope" in regions and profile.rope.store == "vllm-cpu-kernel":
+            from rlalign_verl.catalog.placement import vllm_cpu_kernel_store
 
-
-def _validate(
-    spec: AlignmentSpec,
-    model_type: str | None,
-    model_config: Any,
-    device: str | None,
-    rollout: str | None,
-    liger: bool,
-    expert_parallel: Any,
-    param_dtype: Any,
-    class_form: bool,
-) -> EngineProfile:
-    regions = spec.regions
-    exp = spec.experimental
-    check_retired_env()
-    check_transformers(exp.untested_versions)
-    profile = _placed(spec, device, rollout if rollout is not None else spec.rollout)
-    if liger:
-        raise LigerConflictError(
-            "Liger kernels replace the RoPE, RMSNorm and SwiGLU forwards that alignment patches; build the model "
-            "without Liger (verl: actor_rollout_ref.model.use_liger=False; OpenRLHF: drop --ds.use_liger_kernel) "
-            "or turn alignment off"
-        )
-    if "rope" in regions and profile.rope.store == "vllm-cpu-kernel":
-        from rlalign_verl.catalog.placement import vllm_cpu_kernel_store
-
-        vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
-    check_kernels(exp.kernels, exp.compile, device)
-    if "attention" in regions:
-        check_attention(profile)
-    if exp.compiled_norm:
-        check_compiled_norm(profile, regions)
-    if exp.moe_variant == "engine-op":
-        check_moe_variant(profile, regions)
-    if "tp" in regions:
-        check_tp(profile, spec.rollout_tp)
-    if class_form and "lm_head" in regions:
-        raise AlignmentError(
-            "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
-        )
-    if param_dtype is not None:
-        check_param_dtype(param_dtype)
-    if model_type is not None:
-        check_model(spec, profile, model_type, model_config, expert_parallel)
-    return profile
+            vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
+        check_kernels(exp.kernels, exp.compile, device)
+        if "attention" in regions:
+            check_attention(profile)
+        if exp.compiled_norm:
+            check_compiled_norm(profile, regions)
+        if exp.moe_variant == "engine-op":
+            check_moe_variant(profile, regions)
+        if "tp" in regions:
+            check_tp(profile, spec.rollout_tp)
+        if class_form and "lm_head" in regions:
+            raise AlignmentError(
+                "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
+            )
+        if param_dtype is not None:
+            check_param_dtype(param_dtype)
+        if model_type is not None:
+            check_model(spec, profile, model_type, model_config, expert_parallel)
+        return profile
 
 
 RETIRED_ENV = {

@@ -134,9 +134,8 @@ def resolve_spec(
 ) -> tuple[AlignmentSpec, str]:
     """``spec`` with ``engine=auto`` settled from the rollout settings and the rollout engine recorded; why."""
     rollout = str(select(config, "actor_rollout_ref.rollout.name") or "").strip().lower()
-    spec = spec.replace(
-        rollout_tp=rollout_tp_of(config, spec.regions)
-    )  # a fact of the rollout, like compiled/eager
+    # the rollout's TP size is a fact of the rollout, like compiled/eager
+    spec = spec.replace(rollout_tp=rollout_tp_of(config, spec.regions))
     if spec.engine != "auto":
         return spec.replace(rollout=rollout), f"alignment.engine={spec.engine} (set explicitly)"
     if on_cuda is None:
