@@ -5,7 +5,8 @@
 #   bash recipes/local_ray_cluster.sh start     # head (no GPU slot) + worker node (one GPU slot)
 #   bash recipes/local_ray_cluster.sh exec env RAY_ADDRESS=http://127.0.0.1:28265 ALIGN=all \
 #       bash recipes/submit_ray_job.sh recipes/grpo_tiny_cpu.sh
-#   bash recipes/local_ray_cluster.sh stop      # stops every Ray process of this machine; checks none is left
+#   bash recipes/local_ray_cluster.sh stop      # stops every Ray process of this machine; checks none is left;
+#                                               # removes the sessions' runtime envs (GBs each) from the temp dirs
 #
 # Loopback only: Ray 2.60's `ray start` replaces 127.0.0.1 by the machine's routable address for every node
 # that may join a cluster, and its raylets listen on 0.0.0.0. So, as root, the cluster runs in its own network
@@ -39,6 +40,7 @@ die() { echo "[local_ray_cluster] ERROR $*" >&2; exit 2; }
 [[ "${BASE_PORT}" =~ ^[0-9]+$ && "${BASE_PORT}" -ge 1024 && "${BASE_PORT}" -le 65000 ]] \
     || die "BASE_PORT=${BASE_PORT} must be a number in 1024..65000"
 [[ "${NETNS}" =~ ^[A-Za-z0-9_.-]*$ ]] || die "NETNS=${NETNS} is not a valid namespace name"
+[[ "${TEMP_DIR}" == /?* ]] || die "RAY_TEMP_DIR=${TEMP_DIR} must be an absolute path (default /tmp/rlalign-ray)"
 
 # inside the namespace (if any): the command's network is the cluster's
 in_ns() { if [[ -n "${NETNS}" ]]; then ip netns exec "${NETNS}" "$@"; else "$@"; fi; }
@@ -130,6 +132,14 @@ stop)
     done
     if ns_exists; then ip netns del "${NETNS}"; fi
     [[ -z "${left}" ]] || die "Ray processes or listening ports left after ray stop: ${left//$'\n'/ }"
+    # Ray keeps every session's runtime envs in the temp dir and never removes them; a pip runtime env clones the
+    # nodes' virtualenv (3.8 GB per node for the CPU test environment), so each job would leave ~7.6 GB behind.
+    # They are rebuilt per session: remove them once nothing runs (the session logs stay).
+    for dir in "${TEMP_DIR}" "${TEMP_DIR}-worker"; do
+        [[ -d "${dir}" ]] || continue
+        find "${dir}" -mindepth 2 -maxdepth 2 -type d -name runtime_resources -prune -exec rm -rf {} + \
+            || die "could not remove the runtime envs under ${dir} (delete its session_*/runtime_resources)"
+    done
     ;;
 *)
     echo "usage: $0 start|exec <command...>|stop" >&2

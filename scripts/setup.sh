@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# disk: the environments take ~7 GB here; a full test run adds up to ~10 GB in the temp dir while it runs (the
+# cluster test's two pip runtime envs, 3.8 GB each, removed at its stop; torch's compile cache). Said up front.
+for where in . "${TMPDIR:-/tmp}"; do
+    free_gb=$(df -Pk "${where}" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
+    if [ -n "${free_gb}" ] && [ "${free_gb}" -lt 18 ]; then
+        echo "setup: WARNING only ${free_gb} GB free in ${where}; setup and the full test run need about 17 GB" >&2
+    fi
+done
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

@@ -52,29 +52,6 @@ def vllm_cpu_kernel_store() -> str:
     return "nearest" if torch.cpu._is_avx512_bf16_supported() else "truncate"
 
 
-def vllm_cpu_allreduce_store() -> str:
-    """How vLLM's CPU tensor-parallel all-reduce stores its fp32 sum in bf16 here: ``"nearest"`` or ``"truncate"``.
-
-    The shared-memory all-reduce (csrc/cpu/shm.cpp, ``BF16Vec16(FP32Vec16)``) is built only into the AVX512 kernel
-    libraries (csrc/cpu/torch_bindings.cpp registers it under ``__AVX512F__``): ``_C`` (AVX512-BF16) rounds to
-    nearest, ``_C_AVX512`` truncates. ``_C_AVX2`` has none, and the communicator falls back to gloo's
-    ``all_reduce``, whose bf16 sum rounds each add to nearest (``c10::BFloat16`` arithmetic). vLLM picks the library
-    as here (vllm/platforms/cpu.py ``import_kernels``).
-    """
-    import platform
-
-    import torch
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise ProfileMismatchError(
-            f"vLLM's CPU all-reduce rounding is established on x86_64 only, not {platform.machine()}; drop tp from "
-            "the regions"
-        )
-    if torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported():
-        return "truncate"
-    return "nearest"
-
-
 def worker_device_type(module: Any = None) -> str:
     """``"cuda"`` or ``"cpu"``: where this worker's model runs (its parameters, else the visible devices)."""
     import torch

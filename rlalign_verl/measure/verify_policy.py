@@ -42,10 +42,9 @@ def schedule(spec, unverified_engine: bool) -> Schedule:
     return Schedule(forced, 0)
 
 
-def act_on(
-    result: VerifyResult, *, first: bool, spec, fingerprint: str, spelling: str = "hydra"
-) -> str | None:
-    """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine)."""
+def act_on(result: VerifyResult, *, first: bool, spec, fingerprint: str) -> str | None:
+    """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine).
+    Keys are named as the surface that runs the check spells them (:func:`~rlalign_verl.base.options.spelled_as`)."""
     if result.verdict >= 0:
         return None
     policy = spec.verify.on_worse if first else spec.verify.on_worse_later
@@ -55,12 +54,12 @@ def act_on(
     what = (
         f"alignment makes the trainer farther from the rollout engine: profile {engine} on {fingerprint}, "
         f"mean |Δlogp| aligned {result.aligned:.4g} vs unaligned {result.unaligned:.4g} (gain {result.gain:.3g}x "
-        f"[{lo:.3g}, {hi:.3g}]); use another {key_name('engine', spelling)} (rlalign-verl profiles) or fewer "
-        f"{key_name('regions', spelling)}"
+        f"[{lo:.3g}, {hi:.3g}]); use another {key_name('engine')} (rlalign-verl profiles) or fewer "
+        f"{key_name('regions')}"
     )
     if policy == "stop":
-        raise VerifyFailedError(f"{what}, or {key_setting(key, 'warn', spelling)} to continue anyway")
-    return f"{what} (the run continues: {key_setting(key, 'warn', spelling)})"
+        raise VerifyFailedError(f"{what}, or {key_setting(key, 'warn')} to continue anyway")
+    return f"{what} (the run continues: {key_setting(key, 'warn')})"
 
 
 def within_noise_line(result: VerifyResult) -> str:
@@ -85,8 +84,6 @@ class Verifier:
     pending: dict[int, dict[str, float]] = field(default_factory=dict)
     """Metrics of verify steps whose logging comes later in the step (verl's legacy trainer in bypass mode)."""
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("rlalign_verl"))
-    spelling: str = "hydra"
-    """How the run's settings are written (``hydra``: verl; ``flag``: OpenRLHF's launcher), for the fix named."""
 
     @classmethod
     def start(
@@ -96,7 +93,6 @@ class Verifier:
         fp: EngineFingerprint,
         unverified: bool,
         logger: logging.Logger,
-        spelling: str = "hydra",
     ) -> Verifier | None:
         """The plan for a run aligned by ``spec`` to ``profile`` on engine ``fp`` (``None``: nothing to verify)."""
         sched = schedule(spec, unverified)
@@ -105,7 +101,7 @@ class Verifier:
         when = "step 1" + (f" and every {sched.every} steps" if sched.every else "")
         logger.info("in-run verification on %s: %s, up to %d sequences per check", fp.describe(), when,
                     spec.verify.max_seqs)  # fmt: skip
-        return cls(spec, profile, fp, sched, logger=logger, spelling=spelling)
+        return cls(spec, profile, fp, sched, logger=logger)
 
     def due(self, step: int) -> bool:
         return self.sched.due(step) and step not in self.done
@@ -123,7 +119,7 @@ class Verifier:
             self.logger.info("%s", within_noise_line(result))
         try:
             warning = act_on(result, first=first, spec=self.spec.replace(engine=self.profile),
-                             fingerprint=self.fingerprint.describe(), spelling=self.spelling)  # fmt: skip
+                             fingerprint=self.fingerprint.describe())  # fmt: skip
         except VerifyFailedError as err:
             from rlalign_verl.base.errors import one_line
 

@@ -101,11 +101,11 @@ def _check_confounders(options: LaunchOptions) -> None:
     if not spec.doctor.enable:
         return
     from rlalign_verl.openrlhf.doctor_flags import check
-    from rlalign_verl.request.findings import tp_lines
+    from rlalign_verl.request.regions import startup_lines
 
     collect = options.settings.collect_rollout_logprobs
     lines = check(options.openrlhf_argv, collect_rollout_logprobs=collect, allow=spec.doctor.allow)
-    for line in lines + tp_lines(spec, "--alignment.regions"):
+    for line in lines + startup_lines(spec, "--alignment.regions"):
         logger.warning("doctor: %s", line)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlalign_verl.base.options import spelled_as
 from rlalign_verl.catalog.fingerprint import EngineFingerprint, fingerprint_for, unverified_line
 from rlalign_verl.measure.verify import compare, ladder_metrics, ladder_rungs
 from rlalign_verl.measure.verify_policy import Verifier
@@ -63,7 +64,7 @@ def start(settings: Settings) -> Verifier | None:
     except Exception as err:  # an unreadable fact: treat the engine as unverified
         fp, name, unverified = EngineFingerprint(ROLLOUT, None, "unknown", "unknown"), str(spec.engine), True
         logger.warning("cannot read the rollout engine's fingerprint (%s): verifying at step 1", err)
-    return Verifier.start(spec, name, fp, unverified, logger, spelling="flag")
+    return Verifier.start(spec, name, fp, unverified, logger)
 
 
 def _subsample(experiences: Sequence[Any], cap: int, actors: int) -> list[Any]:
@@ -119,4 +120,5 @@ def verify_step(verifier: Verifier, maker: Any, experiences: Sequence[Any], step
             passes[rung] = pad_cat(_pass(maker, sub, rung), torch.float32)
         ladder = ladder_metrics(passes, rollout, mask)
     result = compare(aligned, pad_cat(unaligned, torch.float32), rollout, mask, seed=step)
-    return verifier.record(step, result, ladder)
+    with spelled_as("flag"):  # the fix named as the launcher's --alignment.* flag
+        return verifier.record(step, result, ladder)

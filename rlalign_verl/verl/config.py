@@ -333,10 +333,10 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
     reconcile_head_dtype(config, spec)
     check_metrics_config(config, spec)
     if spec.doctor.enable:  # confounders that make the gap something other than rounding; errors stop here
-        from rlalign_verl.request.findings import tp_lines
+        from rlalign_verl.request.regions import startup_lines
         from rlalign_verl.verl.doctor_config import check as doctor_check
 
-        for line in doctor_check(config, allow=spec.doctor.allow) + tp_lines(spec):
+        for line in doctor_check(config, allow=spec.doctor.allow) + startup_lines(spec):
             logger.warning("doctor: %s", line)
     write_worker_spec(config, spec)
     if spec.regions:

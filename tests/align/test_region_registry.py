@@ -105,3 +105,30 @@ def test_describe_shows_each_rows_setting(monkeypatch):
     rows = tuple(dataclasses.replace(r, shows=None) if r.name == "tp" else r for r in REGISTRY)
     monkeypatch.setattr(registry, "REGISTRY", rows)
     assert "rollout_tp" not in get_alignment(model).describe()
+
+
+def test_a_rows_rules_run_where_the_request_is_checked(monkeypatch):
+    """The tp row's rules (request, model, start-up) are what the checks run: without them the same request passes."""
+    from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
+    from rlalign_verl.request.checks import validate_request
+    from rlalign_verl.request.regions import startup_lines
+
+    odd_heads = Qwen2Config(
+        num_attention_heads=3, num_key_value_heads=1, hidden_size=48, intermediate_size=128
+    )
+    at_tp4 = AlignmentSpec.parse(regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=4, spelling="python")
+    at_tp2 = at_tp4.replace(rollout_tp=2)
+    with pytest.raises(AlignmentError, match="up to TP=2"):
+        validate_request(at_tp4)
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads=3"):
+        validate_request(at_tp2, model_type="qwen2", model_config=odd_heads)
+    warned = startup_lines(at_tp2.replace(regions=("rope",)))
+    assert len(warned) == 1 and "add tp to alignment.regions" in warned[0]
+    rows = tuple(
+        dataclasses.replace(r, check=None, check_model=None, startup=None) if r.name == "tp" else r
+        for r in REGISTRY
+    )
+    monkeypatch.setattr(registry, "REGISTRY", rows)
+    assert validate_request(at_tp4).name == "vllm-cpu"
+    validate_request(at_tp2, model_type="qwen2", model_config=odd_heads)
+    assert startup_lines(at_tp2.replace(regions=("rope",))) == []

@@ -24,9 +24,8 @@ from rlalign_verl.base.errors import (
     UnsupportedModelError,
 )
 from rlalign_verl.catalog.profiles import PROFILES, get_profile
-from rlalign_verl.catalog.profiles_tp import TpReduction
+from rlalign_verl.catalog.profiles_tp import TpReduction, rollout_tp_line
 from rlalign_verl.measure.verify import ladder_rungs
-from rlalign_verl.request.findings import rollout_tp_line
 from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.tools.diagnose.ladder import plan
 
@@ -305,7 +304,7 @@ def test_verify_ladder_and_doctor_name_tp():
     assert line and "tensor parallel 2" in line and "add tp to alignment.regions" in line and "\n" not in line
     assert rollout_tp_line(2, spec.regions) is None and rollout_tp_line(1, ("rope",)) is None
     assert rollout_tp_line(4, ()) is None  # alignment off: nothing to add to
-    from rlalign_verl.request.findings import tp_unmodelled_line
+    from rlalign_verl.catalog.profiles_tp import tp_unmodelled_line
 
     cuda = tp_unmodelled_line(get_profile("vllm"), 4, ("tp",))
     assert cuda and "AllReduceFusionPass" in cuda and "UNVERIFIED at TP=4" in cuda and "\n" not in cuda

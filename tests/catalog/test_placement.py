@@ -103,7 +103,7 @@ def test_vllm_cpu_allreduce_store_follows_the_kernel_library(monkeypatch, avx512
 
     import torch
 
-    from rlalign_verl.catalog.placement import vllm_cpu_allreduce_store
+    from rlalign_verl.catalog.profiles_tp import vllm_cpu_allreduce_store
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlalign_verl.base.options import spelled_as
 from rlalign_verl.measure.verify import GAIN_CAP, VerifyFailedError, compare
 from rlalign_verl.measure.verify_policy import act_on
 from rlalign_verl.request.spec import AlignmentSpec
@@ -60,7 +61,8 @@ def test_a_clearly_worse_profile_is_minus_one_and_stops_with_the_fix_spelled_per
     with pytest.raises(VerifyFailedError, match=r"alignment\.verify\.on_worse=warn to continue"):
         act_on(res, first=True, spec=spec, fingerprint="vllm 0.31.0 (compiled) on cuda")
     with pytest.raises(VerifyFailedError, match=r"--alignment\.verify\.on_worse warn to continue"):
-        act_on(res, first=True, spec=spec, fingerprint="vllm", spelling="flag")
+        with spelled_as("flag"):
+            act_on(res, first=True, spec=spec, fingerprint="vllm")
     # later steps warn by default, naming the key that would stop them
     line = act_on(res, first=False, spec=spec, fingerprint="vllm")
     assert line is not None and "alignment.verify.on_worse_later=warn" in line

@@ -1,7 +1,8 @@
 """A local two-node Ray cluster for the tests: ``recipes/local_ray_cluster.sh`` (the commands a user runs).
 
 ``with LocalCluster(root, env) as cluster:`` starts it and always stops it (``cluster.stopped`` is the stop
-command's result: it fails when a Ray process or a listening port is left). ``cluster.submit(...)`` runs
+command's result: it fails when a Ray process or a listening port is left; ``cluster.runtime_envs_left`` lists
+the runtime envs the stop left in the cluster's own temp dirs, which are then removed). ``cluster.submit(...)`` runs
 ``recipes/submit_ray_job.sh`` (inside the cluster's network namespace: ``local_ray_cluster.sh exec``) and collects the logs of every actor that ran on the worker node through Ray's
 state API (``get_log(actor_id=...)``: the log the node that ran the actor holds).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class ClusterRun:
     failed: subprocess.CompletedProcess | None = None
     stop: subprocess.CompletedProcess | None = None
     home: Path | None = None
+    runtime_envs_left: list[str] | None = None
 
     @property
     def worker_node_logs(self) -> str:
@@ -58,7 +61,10 @@ class ClusterRun:
 class LocalCluster:
     def __init__(self, root: Path, env: dict[str, str]) -> None:
         self.root = root
-        self.env = dict(env, BASE_PORT=BASE_PORT, RAY_AUTH_MODE="token")
+        # temp dirs of its own (short: Ray's socket paths stay under 108 bytes), removed after the stop
+        self.temp_dir = Path(f"/tmp/rla-ray-{os.getpid()}")
+        self.env = dict(env, BASE_PORT=BASE_PORT, RAY_AUTH_MODE="token", RAY_TEMP_DIR=str(self.temp_dir))
+        self.runtime_envs_left: list[str] = []
         self.address = ""  # the Jobs API (dashboard)
         self.gcs = ""  # the state API
         self.stopped: subprocess.CompletedProcess | None = None
@@ -86,9 +92,19 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stopped = self._script("recipes/local_ray_cluster.sh", "stop")
+        temp_dirs = (self.temp_dir, Path(f"{self.temp_dir}-worker"))
+        self.runtime_envs_left = [str(p) for d in temp_dirs for p in d.glob("session_*/runtime_resources")]
+        for d in temp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
     def submit(self, recipe: str, overrides: list[str], env: dict[str, str], out: Path) -> ClusterRun:
-        job_env = dict(env, BASE_PORT=BASE_PORT, RAY_AUTH_MODE="token", RAY_ADDRESS=self.address)
+        job_env = dict(
+            env,
+            BASE_PORT=BASE_PORT,
+            RAY_AUTH_MODE="token",
+            RAY_ADDRESS=self.address,
+            RAY_TEMP_DIR=str(self.temp_dir),
+        )
         # clients run where the cluster's network is (its namespace, when it has one)
         inside = ["recipes/local_ray_cluster.sh", "exec"]
         job = self._script(

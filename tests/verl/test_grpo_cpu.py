@@ -69,7 +69,7 @@ def cluster(tmp_path_factory) -> ClusterRun:
         run.failed = local.submit(
             "recipes/grpo_tiny_cpu.sh", ["alignment.regions=[ropee]"], recipe_env(**bad), out / "bad"
         ).job
-    run.stop, run.home = local.stopped, home
+    run.stop, run.home, run.runtime_envs_left = local.stopped, home, local.runtime_envs_left
     assert run.job.returncode == 0, run.job.stderr[-5000:]
     return run
 
@@ -188,6 +188,8 @@ def test_a_job_that_fails_in_the_cluster_says_why_in_the_submitting_terminal(clu
 
 def test_the_cluster_is_stopped_without_leftovers(cluster):
     assert cluster.stop.returncode == 0, cluster.stop.stderr
+    # each node's pip runtime env is a clone of the virtualenv (~3.8 GB): left behind, CI machines fill up
+    assert cluster.runtime_envs_left == [], cluster.runtime_envs_left
 
 
 def test_the_cluster_made_its_own_ray_token_on_a_fresh_home(cluster):

@@ -184,6 +184,7 @@ def test_submit_ray_job_forwards_knobs():
         (["restart"], {}, "usage:"),
         (["start"], {"BASE_PORT": "80"}, "BASE_PORT=80 must be a number in 1024..65000"),
         (["start"], {"BASE_PORT": "x"}, "BASE_PORT=x must be"),
+        (["stop"], {"RAY_TEMP_DIR": "rel/ray"}, "RAY_TEMP_DIR=rel/ray must be an absolute path"),
     ],
 )
 def test_local_ray_cluster_refuses_bad_arguments_before_starting_anything(args, env, words):

@@ -6,7 +6,7 @@ partial (the bias on rank 0 only); the tp group's all-reduce is ``torch.ops._C.s
 (csrc/cpu/shm.cpp) widens the local partial to ``FP32Vec16``, adds each other rank's in fp32 and converts
 the sum back with ``BF16Vec16(FP32Vec16)`` once: round to nearest with AVX512-BF16, the low 16 bits dropped
 without (csrc/cpu/cpu_types_x86.hpp). The AVX2 build has no shm op: gloo's all_reduce adds in fp32 and rounds to
-nearest (:func:`rlalign_verl.catalog.placement.vllm_cpu_allreduce_store`). The engine op needs every rank's process, so the floor writes those
+nearest (:func:`rlalign_verl.catalog.profiles_tp.vllm_cpu_allreduce_store`). The engine op needs every rank's process, so the floor writes those
 source facts here (never read from :mod:`rlalign_verl.catalog.profiles`), as an op Inductor cannot see into, as the
 engine's all-reduce is opaque to its compiled graph.
 """
@@ -50,7 +50,7 @@ class RowParallel:
     """
 
     def __init__(self, tp: int) -> None:
-        from rlalign_verl.catalog.placement import vllm_cpu_allreduce_store
+        from rlalign_verl.catalog.profiles_tp import vllm_cpu_allreduce_store
 
         self.tp = tp
         self.reduce = shm_all_reduce() if tp > 1 else None

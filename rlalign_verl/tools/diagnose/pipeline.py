@@ -121,7 +121,7 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
     if tp == 1:
         return
     from rlalign_verl.catalog.families import get_family
-    from rlalign_verl.request.checks import unsplittable
+    from rlalign_verl.catalog.profiles_tp import unsplittable
 
     split = unsplittable(config, tp)
     if split:
