@@ -7,7 +7,7 @@ step and the MoE router rows, with vLLM's ops from the bundle (:mod:`gpu_bundle_
   HF's GEMMs, embedding, attention and lm_head stay HF's.
 * :func:`run_bundle_e2e`: the floor samples from a tiny local model; HF recomputes the sampled tokens
   unaligned, per region and with all regions aligned to the profile; the floor recomputes them too. Rows
-  and misses are :mod:`rlalign_verl.tools.diagnose.e2e_check`'s (95% bootstrap intervals over prompts).
+  and misses are ``scripts/e2e_check.py``'s (95% bootstrap intervals over prompts).
 * :func:`router_rows`: vLLM's ``topk_softmax`` kernel (built from the bundle) against the ``vllm`` profile's
   MoE router. The Triton expert rows need vLLM's ``fused_moe`` package, which the bundle does not carry.
 """
@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
-
 _SCRIPTS = str(Path(__file__).resolve().parent)
 if _SCRIPTS not in sys.path:  # scripts/ is not a package: its modules import each other by name
     sys.path.insert(0, _SCRIPTS)
 
+from piecewise_floor import PiecewiseEngineFloor  # noqa: E402  (scripts/, on the path above)
 
 natives_mod = importlib.import_module("gpu_bundle_natives")
 BundleError = natives_mod.BundleError
@@ -137,8 +136,9 @@ def run_bundle_e2e(ops: Any, mode: str, profile: str, *, arch: str = "qwen3", pr
                    tokens: int = 32, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """The floor (:class:`BundleFloor` in ``mode``) samples; HF recomputes unaligned, per region and with all
     regions aligned to ``profile``; the floor recomputes too. The JSON report's e2e entry for one mode."""
+    from e2e_check import problems_of, recompute_rows
+
     from rlalign_verl.catalog.profiles import get_profile
-    from rlalign_verl.tools.diagnose.e2e_check import problems_of, recompute_rows
     from rlalign_verl.tools.diagnose.pipeline import Sample, load_hf, measure, recompute
     from rlalign_verl.tools.diagnose.resolve import check_model
     from rlalign_verl.tools.diagnose.stats import CI_KEYS

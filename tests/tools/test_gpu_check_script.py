@@ -191,7 +191,7 @@ def test_verdict_fails_on_every_kind_of_miss() -> None:
 
 
 def test_e2e_criterion_fails_on_every_kind_of_miss() -> None:
-    from rlalign_verl.tools.diagnose.e2e_check import problems_of
+    from e2e_check import problems_of
 
     def row(mean: float, half: float) -> dict:
         return {"mean_abs_dlogp": mean, "ci95": {"mismatch/logp_abs_diff_mean": [mean - half, mean + half]}}

@@ -21,7 +21,8 @@ def _frac(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def test_vllm_profile_gives_the_piecewise_floor_logits(tiny_checkpoint) -> None:
-    from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
+    from piecewise_floor import PiecewiseEngineFloor
+
     from rlalign_verl.tools.diagnose.pipeline import load_hf
 
     hf = load_hf(tiny_checkpoint("qwen2"))

