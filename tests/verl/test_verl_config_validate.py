@@ -85,6 +85,10 @@ def test_the_rollout_tp_size_is_read_from_verl_and_travels_to_the_workers(qwen2_
             valid_config(qwen2_path, "alignment.regions=[tp]", "alignment.engine=vllm", f"{tp_key}=8"),
             on_cuda=False,
         )
+    with pytest.raises(
+        Exception, match=r"regions tp \(alignment.regions\) change nothing at rollout tensor parallel 1"
+    ):
+        validate_config(valid_config(qwen2_path, "alignment.regions=[tp]", f"{tp_key}=1"), on_cuda=False)
     with pytest.raises(Exception, match="alignment.rollout_tp is set by the driver"):
         validate_config(
             valid_config(qwen2_path, "alignment.regions=[tp]", "+alignment.rollout_tp=2"), on_cuda=False

@@ -228,7 +228,12 @@ def _recompute(
     from rlalign_verl.tools.diagnose import pipeline
 
     apply_alignment(
-        hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, rollout_tp=s.tp, **options
+        hf,
+        regions=regions,
+        engine=s.profile.name,
+        rollout_tp=s.tp,
+        **options,
+        **pipeline.head_option(regions, head_dtype),
     )
     try:
         lps = pipeline.recompute(

@@ -144,6 +144,12 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
         )
 
 
+def head_option(regions: tuple[str, ...], head_dtype: str) -> dict[str, str]:
+    """The ``head_dtype`` keyword for a recompute with ``regions``: only with ``lm_head``, the region it sets (a
+    setting whose region is off is refused)."""
+    return {"head_dtype": head_dtype} if "lm_head" in regions else {}
+
+
 def check_context(config: Any, model_dir: Path, prompts: list[list[int]], max_tokens: int) -> None:
     """Refuse (before the engine starts) ``--max-tokens`` that with the longest prompt overflows the context."""
     ctx = getattr(config, "max_position_embeddings", None)
@@ -237,7 +243,9 @@ def recompute_settings(
 
     out = {}
     for label, regions in settings:
-        apply_alignment(hf, regions=regions, engine=s.profile.name, head_dtype=head_dtype, rollout_tp=s.tp)
+        apply_alignment(
+            hf, regions=regions, engine=s.profile.name, rollout_tp=s.tp, **head_option(regions, head_dtype)
+        )
         route_info: dict[str, Any] = {}
         try:
             with flips.recording(hf, route_info) if flips else contextlib.nullcontext():
