@@ -39,6 +39,7 @@ ENGINE_COMBOS: tuple[tuple[str, str, int], ...] = (
     ("qwen3", "eager", 1),
     ("qwen2", "compiled", 2),
     ("qwen2", "eager", 2),
+    ("qwen3_moe", "eager", 2),
 )
 """(arch, mode, tensor parallel) generated together on the first ``engine_rollouts`` request. Override with
 ``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager:2"`` (or ``none`` to generate only what is asked)."""

@@ -9,6 +9,7 @@ per instance with the patcher's own ``bind``, so removal restores them with ever
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,8 +17,10 @@ from torch import nn
 
 from rlalign_verl.align.forwards import require_bf16
 from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts, route
+from rlalign_verl.align.regions.tp import reduce_partials
 from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles import HF, EngineProfile, MoeRounding
+from rlalign_verl.catalog.profiles_tp import TpReduction
 
 _EXPERT_FIELDS = ("expert_gemm", "expert_act_roundings", "store")  # store: the SwiGLU output's
 _ROUTER_FIELDS = (
@@ -43,19 +46,58 @@ def effective_moe(profile_moe: MoeRounding | None, regions: tuple[str, ...]) -> 
     return dataclasses.replace(HF.moe, **fields)
 
 
-def _experts_forward(rounding: MoeRounding, variant: str = "emulate") -> Callable:
-    """The routed experts + combine: emulated in PyTorch, or the engine's own op (``moe_variant``)."""
+def _experts_forward(
+    rounding: MoeRounding, variant: str = "emulate", tp: int = 1, reduction: TpReduction | None = None
+) -> Callable:
+    """The routed experts + combine: emulated in PyTorch, or the engine's own op (``moe_variant``); at rollout
+    tensor parallel ``tp`` > 1 (the tp region) as the engine's ranks compute them (:func:`split_experts`)."""
     if variant == "engine-op":
         from rlalign_verl.align.engine_ops.moe_op import engine_experts
 
         mix = engine_experts
     else:
         mix = mix_experts
+    if tp > 1:
+        from rlalign_verl.align.regions._precision import host_store
+
+        mix = functools.partial(
+            split_experts, mix=mix, tp=tp, reduction=reduction, store=host_store(reduction.store)
+        )
 
     def forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
         return mix(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, rounding)
 
     return forward
+
+
+def split_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rounding: MoeRounding,
+    *,
+    mix: Callable,
+    tp: int,
+    reduction: TpReduction,
+    store: str,
+) -> torch.Tensor:
+    """The routed experts under the engine's tensor parallelism (vLLM ``FusedMoE`` without expert parallel): rank
+    ``r`` holds every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (its slice of the gate rows and of
+    the up rows of ``gate_up [E, 2I, H]``, and the same columns of ``down [E, H, I]``), runs the experts and the
+    combine on them (``mix``: emulated or the engine's op), and stores its partial output in bf16; the late
+    all-reduce (``moe_runner._maybe_reduce_final_output``) sums the partials as the profile's ``reduction`` says."""
+    inter = down.shape[-1]
+    k = inter // tp
+    parts = []
+    for r in range(tp):
+        cols = slice(r * k, (r + 1) * k)
+        rank_gate_up = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
+        parts.append(
+            mix(x, experts, weights, rank_gate_up, down[:, :, cols], rounding)
+        )  # rank r's bf16 partial
+    return reduce_partials(parts, reduction, store)
 
 
 def router_fn(profile: EngineProfile, variant: str = "emulate") -> Callable:
@@ -118,7 +160,9 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     the Inductor-compiled one (:func:`router_fn`).
     """
     regions, profile = st.regions, st.profile
-    if family.experts is None or not ({"swiglu", "moe"} & set(regions)):
+    # the tp region splits the experts as the engine's ranks do, whatever else is aligned (HF's rounding if nothing)
+    tp = st.spec.rollout_tp if "tp" in regions else 1
+    if family.experts is None or not ({"swiglu", "moe"} & set(regions) or tp > 1):
         return []
     rounding = effective_moe(profile.moe, regions)
     experts_cls = family.cls("experts")
@@ -127,7 +171,7 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     out: list[tuple[nn.Module, Callable, tuple]] = []
     for m in model.modules():
         if isinstance(m, experts_cls):
-            out.append((m, _experts_forward, (rounding, st.moe_variant)))
+            out.append((m, _experts_forward, (rounding, st.moe_variant, tp, profile.tp)))
         elif "moe" in regions and isinstance(m, router_cls):
             out.append((m, _router_forward, (rounding, profile, st.moe_variant)))
         elif block_cls and isinstance(m, block_cls) and hasattr(m, "shared_expert_gate"):

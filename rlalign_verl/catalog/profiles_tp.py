@@ -153,9 +153,9 @@ def vllm_cpu_allreduce_store() -> str:
 
 
 def unsplittable(config: Any, tp: int) -> str | None:
-    """``"attr=size"`` of the first dimension a TP engine splits evenly (attention heads, MLP width) that ``tp``
-    does not divide; ``None`` when every one divides (or the config does not say)."""
-    for attr in ("num_attention_heads", "intermediate_size"):
+    """``"attr=size"`` of the first dimension a TP engine splits evenly (attention heads, MLP width, each MoE
+    expert's width) that ``tp`` does not divide; ``None`` when every one divides (or the config does not say)."""
+    for attr in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
         size = getattr(config, attr, None) if config is not None else None
         if isinstance(size, int) and size % tp:
             return f"{attr}={size}"
@@ -184,14 +184,22 @@ def check_request(profile: Any, spec: Any) -> None:
 
 
 def check_model(model_type: str, config: Any, spec: Any, moe: bool) -> None:
-    """The engine splits heads and the MLP's intermediate columns evenly; MoE experts are not modelled."""
+    """The engine splits heads, the MLP's and each routed expert's intermediate columns evenly; an MoE block with a
+    shared expert (whose rank partials join the routed ones before one all-reduce) is not modelled."""
     tp = spec.rollout_tp
     if tp == 1:
         return
-    if moe:
+    if moe and (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
         raise UnsupportedModelError(
-            f"the tp region models dense o_proj/down_proj; {model_type}'s experts under the engine's TP/EP layout "
-            "are not modelled yet: drop tp from the regions for this model"
+            f"the tp region splits routed experts, and {model_type} has a shared expert, whose gated rank partials "
+            "vLLM adds to the routed ones before the all-reduce (not modelled yet): drop tp from the regions for "
+            "this model"
+        )
+    experts = getattr(config, "num_experts", None)
+    if moe and isinstance(experts, int) and experts < tp:
+        raise UnsupportedModelError(
+            f"{model_type}: {experts} experts over rollout tensor parallel {tp}; vLLM refuses a TP size above the "
+            "number of experts (qwen3_moe.py), so check the rollout's tensor_model_parallel_size"
         )
     split = unsplittable(config, tp)
     if split:

@@ -283,7 +283,9 @@ def check_param_dtype(dtype: Any) -> None:
 # --- the model -----------------------------------------------------------------------------------
 
 
-SUPPORTED_SPLIT = "supported: every expert of a token on one rank (tensor parallel 1, no expert parallel)"
+SUPPORTED_SPLIT = (
+    "supported: no expert parallel (tensor parallel splits each expert, mirrored by the tp region)"
+)
 
 
 def check_model(
@@ -329,11 +331,11 @@ def check_model(
             f"expert parallel ({expert_parallel}) on {model_type}: expert parallel sums the ranks' expert outputs in "
             f"bf16, which the {'/'.join(aligned)} region cannot mirror ({SUPPORTED_SPLIT}); turn expert parallel off"
         )
-    if spec.rollout_tp > 1 and "moe" in regions:
+    if spec.rollout_tp > 1 and "moe" in regions and "tp" not in regions:
         raise AlignmentError(
             f"rollout tensor parallel {spec.rollout_tp} on {model_type}: the engine splits each expert over the ranks and "
             f"all-reduces their bf16 partial outputs, so the moe region's single combine rounding does not hold "
-            f"({SUPPORTED_SPLIT}); use tensor parallel 1 or drop moe from the regions"
+            f"without the split; add tp to the regions (or drop moe)"
         )
     check_moe_profile(model_type, profile, regions, spec.experimental.unverified)
     for attr, plain in _ROUTER_ATTRS.items():

@@ -38,9 +38,9 @@ class Region:
     """The request setting ``describe`` prints with the region (``experimental.attention``, ``rollout_tp``)."""
     only_tp: bool = False
     """Changes nothing at rollout tensor-parallel size 1 (its rung is then left out of the ladder)."""
-    plan: str | None = None
-    """``module:function`` planning the region's own bindings, ``plan(model, family, state) -> [(module,
-    forward factory, args)]``, every check run before anything is bound (``None``: the shared layer forwards
+    plan: tuple[str, ...] = ()
+    """``module:function`` planners of the region's own bindings, ``plan(model, family, state) -> [(module,
+    forward factory, args)]``, every check run before anything is bound (``()``: the shared layer forwards
     of :mod:`rlalign_verl.align.forwards` carry it)."""
     check: Callable[[Any, Any], None] | None = None
     """``check(profile, spec)``: the region's request rules on the resolved profile (raise one line), run by
@@ -61,7 +61,7 @@ REGISTRY: tuple[Region, ...] = (
         "swiglu",
         ("mlp",),
         rung=True,
-        plan="rlalign_verl.align.moe_patch:plan",
+        plan=("rlalign_verl.align.moe_patch:plan",),
     ),
     Region("rmsnorm", "residual add + RMSNorm", True, "norm", ("decoder_layer",), rung=True),
     Region(
@@ -69,7 +69,7 @@ REGISTRY: tuple[Region, ...] = (
         "MoE router and expert combine (refused on dense models)",
         False,
         "moe",
-        plan="rlalign_verl.align.moe_patch:plan",
+        plan=("rlalign_verl.align.moe_patch:plan",),
     ),
     Region(
         "attention",
@@ -85,7 +85,7 @@ REGISTRY: tuple[Region, ...] = (
         False,
         None,
         shows="experimental.head_dtype",
-        plan="rlalign_verl.align.regions.lm_head:plan",
+        plan=("rlalign_verl.align.regions.lm_head:plan",),
     ),
     Region(
         "tp",
@@ -95,7 +95,8 @@ REGISTRY: tuple[Region, ...] = (
         rung=True,
         shows="rollout_tp",
         only_tp=True,
-        plan="rlalign_verl.align.regions.tp:plan",
+        # the row-parallel projections; on MoE models the experts too (split by the MoE planner)
+        plan=("rlalign_verl.align.regions.tp:plan", "rlalign_verl.align.moe_patch:plan"),
         check=profiles_tp.check_request,
         check_model=profiles_tp.check_model,
         startup=profiles_tp.startup_lines,
@@ -170,7 +171,7 @@ def wrapped_roles(regions: Iterable[str]) -> tuple[str, ...]:
 def plans(regions: Iterable[str]) -> tuple[str, ...]:
     """The binding planners ``regions`` need, each once, in registry order."""
     wanted = set(regions)
-    return tuple(dict.fromkeys(r.plan for r in REGISTRY if r.name in wanted and r.plan))
+    return tuple(dict.fromkeys(p for r in REGISTRY if r.name in wanted for p in r.plan))
 
 
 def region_hooks(regions: Iterable[str], hook: str) -> list[Callable]:

@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from moe_engine_reference import MODES
+from moe_engine_reference import inputs as _inputs
+from moe_engine_reference import route as _route
+from moe_engine_reference import vllm_reference as _vllm_reference
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from rlalign_verl.align.engine_ops.moe_op import engine_experts, engine_op_available
@@ -23,50 +25,10 @@ from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
 from rlalign_verl.catalog.profiles import HF, get_profile
 
 BF = torch.bfloat16
-MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
 MOE = ("rope", "swiglu", "rmsnorm", "moe")
 engine = pytest.mark.skipif(
     not engine_op_available()[0], reason="vLLM's CPU build (cpu_fused_moe) is not installed"
 )
-
-
-def _inputs(seed: int, tokens: int, hidden: int, inter: int, experts: int):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, hidden, generator=g) * torch.logspace(-1, 1, tokens)[:, None]).to(BF)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.08).to(BF)
-    down = (torch.randn(experts, hidden, inter, generator=g) * 0.08).to(BF)
-    logits = (torch.randn(tokens, experts, generator=g) * 2).to(BF)
-    return x, gate_up, down, logits
-
-
-def _vllm_reference(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """The op as vLLM's experts class prepares and calls it (its own padding, packing and wrapper)."""
-    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-
-    amx = torch.cpu._is_amx_tile_supported()
-    cls = cpu_moe.X86CPUUnquantizedExperts if amx else cpu_moe.CPUUnquantizedExperts
-    experts = object.__new__(cls)
-    experts.moe_config = SimpleNamespace(
-        intermediate_size_per_partition=down.shape[-1], activation=MoEActivation.SILU
-    )
-    layer = torch.nn.Module()
-    layer.w13_weight = torch.nn.Parameter(gate_up.clone(), requires_grad=False)
-    layer.w2_weight = torch.nn.Parameter(down.clone(), requires_grad=False)
-    experts._pad_moe_intermediate(layer)
-    out = torch.empty_like(x)
-    w13, w2 = (cpu_prepack_moe_weight(w.data, cls.isa) for w in (layer.w13_weight, layer.w2_weight))
-    cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, "silu", cls.isa)
-    return out
-
-
-def _route(logits, top_k: int, profile: str):
-    from rlalign_verl.tools.diagnose import engine_floor_moe as em
-
-    w, ids = em.route(logits, top_k, True, compiled=MODES[profile])
-    # the profile's combine sees the weights in its own dtype (eager: the engine's bf16 softmax output)
-    return (w.to(BF) if get_profile(profile).moe.weights_dtype == "bf16" else w), w, ids
 
 
 # (hidden, intermediate, experts, top-k): the tiny models' widths, another top-k, an intermediate vLLM pads

@@ -25,8 +25,8 @@ def test_every_row_points_at_real_fields_and_functions():
     for row in REGISTRY:
         assert row.profile_field is None or row.profile_field in profile_fields, row
         assert set(row.wraps) <= family_fields, row
-        if row.plan:
-            module, function = row.plan.split(":")
+        for planner in row.plan:
+            module, function = planner.split(":")
             assert callable(getattr(importlib.import_module(module), function)), row
 
 

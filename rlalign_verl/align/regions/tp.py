@@ -48,15 +48,7 @@ class _RowParallelFn(torch.autograd.Function):
                     f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
                     "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
                 )
-            if reduction.accumulate == "fp32":
-                acc = parts[0].float()
-                for p in parts[1:]:
-                    acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
-                return store_as(acc, store, parts[0].dtype)  # and stores the sum once
-            out = parts[0]
-            for p in parts[1:]:
-                out = store_as(out.float() + p.float(), store, out.dtype)  # bf16 per hop: a rounding per add
-            return out
+            return reduce_partials(parts, reduction, store)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -69,6 +61,20 @@ class _RowParallelFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.reshape(-1, g.shape[-1]).sum(0)
         return gx, gw, gb, None, None, None
+
+
+def reduce_partials(parts: list[torch.Tensor], reduction: TpReduction, store: str) -> torch.Tensor:
+    """The all-reduce of the ranks' bf16 partial outputs ``parts`` (rank order), as ``reduction`` sums them and
+    ``store`` (resolved for this host) stores the sum. Differentiable: the sum's gradient reaches every partial."""
+    if reduction.accumulate == "fp32":
+        acc = parts[0].float()
+        for p in parts[1:]:
+            acc = acc + p.float()  # the all-reduce accumulates in fp32, ranks 0..N-1 (rank 0's order)
+        return store_as(acc, store, parts[0].dtype)  # and stores the sum once
+    out = parts[0]
+    for p in parts[1:]:
+        out = store_as(out.float() + p.float(), store, out.dtype)  # bf16 per hop: a rounding per add
+    return out
 
 
 def row_parallel_linear(

@@ -189,7 +189,9 @@ def _settings(
         from rlalign_verl.tools.diagnose.runner import engine_distribution
 
         if opts.settings == DEFAULT_SETTINGS:
-            settings = settings + [x for x in parse_settings("moe,all+moe") if x not in settings]
+            # at rollout TP > 1 the engine splits each expert over the ranks: the moe rows need tp to mirror it
+            moe_rows = "moe,all+moe" if s.tp == 1 else "moe+tp,all+moe+tp"
+            settings = settings + [x for x in parse_settings(moe_rows) if x not in settings]
         t = time.time()
         with stage("record the engine's expert choices (one prefill per rollout)"):
             flips = RouteFlips.maybe(

@@ -79,18 +79,16 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False, tp
     if rung.needs == "moe-engine-op":
         return _moe_engine_op_reason(profile, moe)
     if rung.needs == "tp":
-        return _tp_reason(profile, moe, tp)
+        return _tp_reason(profile, tp)
     return None
 
 
-def _tp_reason(profile: Any, moe: bool, tp: int) -> str | None:
+def _tp_reason(profile: Any, tp: int) -> str | None:
     from rlalign_verl.base.errors import AlignmentError
     from rlalign_verl.request.spec import AlignmentSpec
 
     if tp == 1:
         return "the rollouts ran at tensor parallel 1: no all-reduce to mirror"
-    if moe:
-        return "the tp region models dense o_proj/down_proj; MoE experts under TP are not modelled yet"
     try:
         validate_request(AlignmentSpec.parse(regions="tp", engine=profile.name, rollout_tp=tp))
     except AlignmentError as e:

@@ -117,10 +117,10 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
 
 def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: str = "--tp") -> None:
     """Refuse, before the engine starts (or the dump is recomputed), a TP size this diagnosis cannot mirror: one that
-    does not split the model, MoE models at TP > 1, and (running the engine here) a size the profile does not model."""
+    does not split the model, an MoE block with a shared expert at TP > 1, and (running the engine here) a size the
+    profile does not model."""
     if tp == 1:
         return
-    from rlalign_verl.catalog.families import get_family
     from rlalign_verl.catalog.profiles_tp import unsplittable
 
     split = unsplittable(config, tp)
@@ -130,10 +130,11 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
             f"{tp} ranks; use a TP size that divides it"
         )
 
-    if get_family(config.model_type).experts is not None:
+    if (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
         raise AlignmentError(
-            f"{where} {tp}: {config.model_type} is an MoE model, whose experts' tensor-parallel layout the settings, "
-            "the ladder and the floor do not model yet; diagnose it at tensor parallel 1"
+            f"{where} {tp}: {config.model_type} has a shared expert, whose tensor-parallel layout (gated rank partials "
+            "added to the routed ones before the all-reduce) the settings and the ladder do not model yet; diagnose "
+            "it at tensor parallel 1"
         )
     data = getattr(profile, "tp", None)
     if profile is not None and (data is None or tp not in data.sizes):
@@ -279,6 +280,8 @@ def floor(
     if s.tp > 1 and (p.tp is None or s.tp not in p.tp.sizes):
         why = p.tp.beyond if p.tp else "no all-reduce data"
         return None, f"floor skipped: profile {p.name} does not model tensor parallel {s.tp} ({why})"
+    if s.tp > 1 and getattr(s.config, "num_experts", None):
+        return None, f"floor skipped: the MoE floor does not split the experts over {s.tp} ranks yet"
     from rlalign_verl.tools.diagnose.engine_floor import EngineFloor
 
     compiled = not p.name.endswith("-eager")

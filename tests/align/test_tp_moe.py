@@ -1,0 +1,176 @@
+"""The tp region on MoE models: the routed experts as the engine's tensor-parallel ranks compute them.
+
+Source facts written here (vLLM 0.31.0, read from its code, not from rlalign_verl):
+- ``FusedMoE`` without expert parallel gives rank ``r`` every expert's intermediate columns ``r*I/N .. (r+1)*I/N``:
+  its ``w13`` holds the gate rows of that slice, then the up rows of the same slice (``_load_w13`` narrows each
+  checkpoint tensor by ``tp_rank``); its ``w2`` holds the same columns of ``down``.
+- each rank runs the experts and the combine on its slice (``cpu_fused_moe`` on CPU: a bf16 output), and the late
+  all-reduce (``moe_runner._maybe_reduce_final_output``) sums the ranks' bf16 outputs; vLLM CPU's shm all-reduce at
+  2 ranks is one fp32 add and one conversion (nearest with AVX512-BF16; truncation with AVX512F alone; AVX2: gloo's
+  bf16 add, nearest).
+- Qwen2-MoE's shared expert adds its gated rank partials before that all-reduce (``reduce_results=False``): not
+  modelled, refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_engine_reference import MODES, inputs, route, vllm_reference
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+from rlalign_verl.align.engine_ops.moe_op import engine_experts, engine_op_available
+from rlalign_verl.align.moe_patch import split_experts
+from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alignment
+from rlalign_verl.align.regions.moe import mix_experts
+from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
+from rlalign_verl.catalog.profiles import get_profile
+from rlalign_verl.catalog.profiles_tp import TpReduction
+from rlalign_verl.request.checks import validate_request
+from rlalign_verl.request.spec import AlignmentSpec
+
+BF = torch.bfloat16
+FP32_SUM = TpReduction(accumulate="fp32", order="rank", store="nearest", sizes=(2, 4), beyond="-")
+
+
+def _host_allreduce_store() -> str:
+    """vLLM CPU's all-reduce store on this host (the source facts above), for the engine's ranks."""
+    if torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported():
+        return "truncate"
+    return "nearest"
+
+
+def _to_bf16(x: torch.Tensor, store: str) -> torch.Tensor:
+    if store == "truncate":
+        return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(BF)
+    return x.to(BF)
+
+
+def _rank_weights(gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int):
+    """Rank ``r``'s ``w13`` and ``w2`` as vLLM's weight loader fills them (written here, not imported)."""
+    inter = down.shape[-1]
+    k = inter // tp
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return torch.cat((gate[:, r * k : (r + 1) * k], up[:, r * k : (r + 1) * k]), 1), down[
+        :, :, r * k : (r + 1) * k
+    ]
+
+
+engine = pytest.mark.skipif(
+    not engine_op_available()[0], reason="vLLM's CPU build (cpu_fused_moe) is not installed"
+)
+
+
+@engine
+@pytest.mark.parametrize("profile", list(MODES))
+@pytest.mark.parametrize("inter", [256, 160], ids=["inter256", "inter160-padded-per-rank"])
+def test_engine_op_experts_at_tp2_are_the_engine_ranks_bit_for_bit(profile: str, inter: int) -> None:
+    x, gate_up, down, logits = inputs(inter, 64, 128, inter, 8)
+    weights, w_eng, ids = route(logits, 2, profile)
+    store = _host_allreduce_store()
+    parts = [vllm_reference(x, *_rank_weights(gate_up, down, r, 2), w_eng, ids) for r in range(2)]
+    want = _to_bf16(parts[0].float() + parts[1].float(), store)  # one fp32 add, one conversion
+    rounding, reduction = get_profile(profile).moe, get_profile(profile).tp
+    got = split_experts(x, ids.long(), weights, gate_up, down, rounding, mix=engine_experts, tp=2,
+                        reduction=reduction, store=store)  # fmt: skip
+    assert got.dtype == BF and torch.equal(got, want)
+    unsplit = engine_experts(x, ids.long(), weights, gate_up, down, rounding)
+    assert float((unsplit == want).double().mean()) < 0.95  # the split is observable: the comparison can fail
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_emulated_experts_split_over_the_ranks_and_reduce_once(tp: int) -> None:
+    x, gate_up, down, logits = inputs(tp, 48, 64, 128, 6)
+    ids = torch.topk(logits.float(), 2, dim=-1).indices
+    weights = torch.softmax(torch.gather(logits.float(), 1, ids), -1)
+    rounding = get_profile("vllm-cpu").moe
+    parts = [mix_experts(x, ids, weights, *_rank_weights(gate_up, down, r, tp), rounding) for r in range(tp)]
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    got = split_experts(x, ids, weights, gate_up, down, rounding, mix=mix_experts, tp=tp, reduction=FP32_SUM,
+                        store="nearest")  # fmt: skip
+    assert torch.equal(got, acc.to(BF))
+    # gate and up of one rank come from the same columns: swapping the halves' order is another result
+    swapped = torch.cat((gate_up[:, 128:], gate_up[:, :128]), 1)
+    assert not torch.equal(
+        split_experts(x, ids, weights, swapped, down, rounding, mix=mix_experts, tp=tp, reduction=FP32_SUM,
+                      store="nearest"), got)  # fmt: skip
+
+
+def test_gradients_through_the_split_match_the_unsplit_ones() -> None:
+    """The split changes where the forward rounds, not the math: gradients agree within bf16 rounding (each is a
+    bf16 result of fp32 sums over the same terms; 2^-7 relative, times a few for the accumulated roundings)."""
+    x, gate_up, down, logits = inputs(11, 40, 64, 128, 6)
+    ids = torch.topk(logits.float(), 2, dim=-1).indices
+    weights = torch.softmax(torch.gather(logits.float(), 1, ids), -1).to(BF)
+    rounding = get_profile("vllm-cpu").moe
+    g_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(BF)
+    grads = []
+    for split in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+        xx, ww, gu, dd = leaves
+        if split:
+            y = split_experts(
+                xx, ids, ww, gu, dd, rounding, mix=mix_experts, tp=2, reduction=FP32_SUM, store="nearest"
+            )
+        else:
+            y = mix_experts(xx, ids, ww, gu, dd, rounding)
+        y.backward(g_out)
+        grads.append([t.grad.float() for t in leaves])
+    for a, b in zip(*grads, strict=True):
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max() <= 0.04 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+
+
+def _moe_model(kind: str) -> torch.nn.Module:
+    common = dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    cfg = Qwen3MoeConfig(head_dim=16, **common) if kind == "qwen3_moe" else Qwen2MoeConfig(
+        shared_expert_intermediate_size=64, **common)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=BF)
+
+
+def test_the_tp_region_splits_a_qwen3_moe_models_experts_and_comes_off() -> None:
+    m = _moe_model("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids).logits
+    apply_alignment(m, regions=["rope", "swiglu", "rmsnorm", "moe", "tp"], engine="vllm-cpu", rollout_tp=2)
+    experts = m.model.layers[0].mlp.experts
+    o_proj = m.model.layers[0].self_attn.o_proj
+    assert "forward" in experts.__dict__ and "forward" in o_proj.__dict__
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(BF)
+    top = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    w = torch.full((5, 2), 0.5, dtype=torch.float32)
+    store = _host_allreduce_store()
+    parts = [mix_experts(x, top, w, *_rank_weights(experts.gate_up_proj, experts.down_proj, r, 2),
+                         get_profile("vllm-cpu").moe) for r in range(2)]  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(experts(x, top, w), _to_bf16(parts[0].float() + parts[1].float(), store))
+    remove_alignment(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, before)
+    # tp alone splits HF's experts (bound too): the rung the step-1 ladder measures
+    apply_alignment(m, regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=2)
+    assert "forward" in m.model.layers[0].mlp.experts.__dict__ and get_alignment(m).regions == ("rope", "tp")
+
+
+def test_moe_at_rollout_tp_needs_tp_and_a_shared_expert_is_refused() -> None:
+    m = _moe_model("qwen3_moe")
+    with pytest.raises(AlignmentError, match="add tp to the regions"):
+        apply_alignment(m, regions=["rope", "swiglu", "rmsnorm", "moe"], engine="vllm-cpu", rollout_tp=2)
+    with pytest.raises(UnsupportedModelError, match="has a shared expert"):
+        apply_alignment(_moe_model("qwen2_moe"), regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=2)
+    assert get_alignment(m) is None
+    spec = AlignmentSpec.parse(regions=["rope", "tp"], engine="vllm", rollout_tp=4, spelling="python")
+    odd = Qwen3MoeConfig(num_attention_heads=4, intermediate_size=96, moe_intermediate_size=66, num_experts=4)
+    with pytest.raises(UnsupportedModelError, match="moe_intermediate_size=66 is not divisible"):
+        validate_request(spec, model_type="qwen3_moe", model_config=odd)
+    few = Qwen3MoeConfig(num_attention_heads=4, intermediate_size=96, moe_intermediate_size=64, num_experts=2)
+    with pytest.raises(UnsupportedModelError, match="2 experts over rollout tensor parallel 4"):
+        validate_request(spec, model_type="qwen3_moe", model_config=few)
