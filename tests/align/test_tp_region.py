@@ -301,7 +301,9 @@ def test_the_ladder_has_a_tp_rung_for_tp_rollouts():
     rung, regions, _, why = tp_step("vllm-cpu", 2)
     assert why is None and "tp" in regions and "attention" in regions
     assert "different hidden states" in tp_step("vllm-cpu", 4)[3]
-    assert tp_step("vllm-cpu", 2, moe=True)[3] is None  # routed experts split (a shared expert: refused earlier)
+    assert (
+        tp_step("vllm-cpu", 2, moe=True)[3] is None
+    )  # routed experts split (a shared expert: refused earlier)
     assert tp_step("vllm", 4)[3] is None  # CUDA data: measured (and judged) where it runs
 
 

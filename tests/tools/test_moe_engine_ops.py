@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_engine_reference import MODES
+from moe_engine_reference import inputs as _inputs
 
 from rlalign_verl.align.regions.moe import mix_experts, route
 from rlalign_verl.catalog.profiles import HF, get_profile
@@ -25,16 +27,6 @@ if not eo.engine_available():
 em = pytest.importorskip("rlalign_verl.tools.diagnose.engine_floor_moe")
 
 BF = torch.bfloat16
-MODES = {"vllm-cpu-eager": False, "vllm-cpu": True}
-
-
-def _inputs(seed: int, tokens: int, hidden: int, inter: int, experts: int):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, hidden, generator=g) * torch.logspace(-1, 1, tokens)[:, None]).to(BF)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.08).to(BF)
-    down = (torch.randn(experts, hidden, inter, generator=g) * 0.08).to(BF)
-    logits = (torch.randn(tokens, experts, generator=g) * 2).to(BF)
-    return x, gate_up, down, logits
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
