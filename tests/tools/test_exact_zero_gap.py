@@ -94,8 +94,8 @@ def _deltas(lps: list[torch.Tensor], rollouts: list, part: str) -> torch.Tensor:
 def test_eager_engine_four_regions_exactly_zero(run) -> None:
     """Eager engine: + attention makes every sampled token exact; the three regions alone do not."""
     hf, ro = run["hf"], run["dumps"]["eager"]
-    four = _deltas(_lps(hf, ro, "vllm-cpu-eager", FOUR, head_dtype="model"), ro, "response")
-    three = _deltas(_lps(hf, ro, "vllm-cpu-eager", THREE, head_dtype="model"), ro, "response")
+    four = _deltas(_lps(hf, ro, "vllm-cpu-eager", FOUR), ro, "response")
+    three = _deltas(_lps(hf, ro, "vllm-cpu-eager", THREE), ro, "response")
     assert four.numel() == 8 * 16
     assert int((four != 0).sum()) == 0, f"{int((four != 0).sum())} tokens differ, max {four.abs().max()}"
     assert int((three != 0).sum()) > 0, "the three regions alone are already exact: the test cannot fail"
@@ -104,8 +104,8 @@ def test_eager_engine_four_regions_exactly_zero(run) -> None:
 def test_compiled_engine_compiled_norm_exactly_zero(run) -> None:
     """Compiled engine: + attention + compiled_norm makes every sampled token exact; without it, not."""
     hf, ro = run["hf"], run["dumps"]["compiled"]
-    d = _deltas(_lps(hf, ro, "vllm-cpu", FOUR, head_dtype="model", compiled_norm=True), ro, "response")
-    eager_norm = _deltas(_lps(hf, ro, "vllm-cpu", FOUR, head_dtype="model"), ro, "response")
+    d = _deltas(_lps(hf, ro, "vllm-cpu", FOUR, compiled_norm=True), ro, "response")
+    eager_norm = _deltas(_lps(hf, ro, "vllm-cpu", FOUR), ro, "response")
     assert d.numel() == 8 * 16
     assert int((d != 0).sum()) == 0, f"{int((d != 0).sum())} tokens differ, max {d.abs().max()}"
     assert int((eager_norm != 0).sum()) > 0, "exact without compiled_norm: the test cannot fail"
