@@ -88,16 +88,21 @@ def split_experts(
     the up rows of ``gate_up [E, 2I, H]``, and the same columns of ``down [E, H, I]``), runs the experts and the
     combine on them (``mix``: emulated or the engine's op), and stores its partial output in bf16; the late
     all-reduce (``moe_runner._maybe_reduce_final_output``) sums the partials as the profile's ``reduction`` says."""
+    parts = [mix(x, experts, weights, *rank_experts(gate_up, down, r, tp), rounding) for r in range(tp)]
+    return reduce_partials(parts, reduction, store)  # each part: rank r's bf16 output
+
+
+def rank_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s expert weights as vLLM's ``FusedMoE`` loader fills them (``_load_w13``/``_load_w2`` narrow by
+    ``tp_rank``): ``w13 [E, 2I/tp, H]`` = its slice of the gate rows, then the same slice of the up rows of
+    ``gate_up [E, 2I, H]``; ``w2 [E, H, I/tp]`` = the same columns of ``down``."""
     inter = down.shape[-1]
     k = inter // tp
-    parts = []
-    for r in range(tp):
-        cols = slice(r * k, (r + 1) * k)
-        rank_gate_up = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
-        parts.append(
-            mix(x, experts, weights, rank_gate_up, down[:, :, cols], rounding)
-        )  # rank r's bf16 partial
-    return reduce_partials(parts, reduction, store)
+    cols = slice(r * k, (r + 1) * k)
+    w13 = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
+    return w13, down[:, :, cols]
 
 
 def router_fn(profile: EngineProfile, variant: str = "emulate") -> Callable:

@@ -85,3 +85,25 @@ def test_tp2_moe_experts_split_like_the_engine_are_exactly_zero(engine_rollouts)
     # the emulated experts' GEMMs sum over K in another order than the op's (docs/moe.md): measured here
     # 1024/1024 exact with the op vs few with the emulation, so the exact zero above comes from the split
     assert int((emulated == 0).sum()) < emulated.numel() // 2, int((emulated == 0).sum())
+
+
+def test_diagnose_runs_the_moe_floor_and_ladder_at_tp2(engine_rollouts, tmp_path):
+    """The MoE floor splits the experts as the engine's ranks (each rank's op, the engine's all-reduce), and the
+    ladder's last rung (+ tp, + the engine MoE op) reaches the exact zero on the eager TP=2 dump."""
+    from rlalign_verl.tools.diagnose.command import diagnose
+    from rlalign_verl.tools.diagnose.options import DiagnoseOptions
+
+    run = engine_rollouts("qwen3_moe", "eager", 2)
+    result = diagnose(
+        DiagnoseOptions(
+            model=str(run.model_dir), rollout_logprobs=str(run.path), out=str(tmp_path), settings="none",
+            probe=False, plots=False,
+        )
+    )  # fmt: skip
+    assert result["floor"] is not None, result.get("floor_note")
+    key = "mismatch/logp_abs_diff_mean"
+    assert result["floor"][key] < result["settings"]["none"][key]
+    rows = {r["rung"]: r for r in result["ladder"]["rows"]}
+    assert "skipped" not in rows["+ tp"]
+    last = rows["+ moe, engine MoE op"]
+    assert last["exact_zero"] == last["tokens"] == 1024

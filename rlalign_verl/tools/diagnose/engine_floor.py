@@ -245,7 +245,7 @@ class EngineFloor:
         if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
             from rlalign_verl.tools.diagnose.engine_floor_moe import prepare_floor_experts
 
-            self.moe_isa = prepare_floor_experts(model)
+            self.moe_isa = prepare_floor_experts(model, tp)
         # As the engine compiles: static weight shapes, only the token count dynamic (marked per call).
         self._fn = (
             torch.compile(self._hidden, backend="inductor", fullgraph=True, options=CPU_INDUCTOR_OPTIONS)

@@ -124,34 +124,42 @@ def _fused_op():
     return op
 
 
-def prepare_floor_experts(model: torch.nn.Module) -> str:
+def prepare_floor_experts(model: torch.nn.Module, tp: int = 1) -> str:
     """Prepack every sparse block's expert weights for ``cpu_fused_moe`` (once, outside any compiled code,
-    as the engine does after loading); returns the ISA."""
+    as the engine does after loading): at tensor parallel ``tp`` each rank's slice
+    (:func:`rlalign_verl.align.moe_patch.rank_experts`), its intermediate dimension padded as the engine pads it
+    (``_pad_moe_intermediate``); returns the ISA."""
     from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from rlalign_verl.align.engine_ops.moe_op import _padded
+    from rlalign_verl.align.moe_patch import rank_experts
 
     isa = cpu_isa()
     for m in model.modules():
-        if hasattr(m, "experts") and hasattr(m, "gate") and "_rlalign_floor_w13" not in m.__dict__:
-            m.__dict__["_rlalign_floor_w13"] = cpu_prepack_moe_weight(
-                m.experts.gate_up_proj.detach().contiguous(), isa
-            )
-            m.__dict__["_rlalign_floor_w2"] = cpu_prepack_moe_weight(
-                m.experts.down_proj.detach().contiguous(), isa
-            )
+        if hasattr(m, "experts") and hasattr(m, "gate") and "_rlalign_floor_ranks" not in m.__dict__:
+            gate_up, down = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach()
+            ranks = []
+            for r in range(tp):
+                w13, w2 = _padded(*rank_experts(gate_up, down, r, tp))
+                ranks.append((cpu_prepack_moe_weight(w13, isa), cpu_prepack_moe_weight(w2, isa)))
+            m.__dict__["_rlalign_floor_ranks"] = ranks
     _fused_op()
     return isa
 
 
 def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
     """An HF sparse MoE block as vLLM's CPU build runs it: ``GateLinear`` (bf16 logits), ``CPURouter``
-    softmax top-k (traced into the graph when compiled), ``cpu_fused_moe``; Qwen2-MoE adds its shared
-    expert ``sigmoid(gate(x)) * mlp(x)`` (vllm/model_executor/models/qwen2_moe.py) to the routed output."""
+    softmax top-k (traced into the graph when compiled), ``cpu_fused_moe`` (per rank at TP > 1, then the
+    engine's all-reduce, as ``moe_runner._maybe_reduce_final_output``); Qwen2-MoE adds its shared expert
+    ``sigmoid(gate(x)) * mlp(x)`` (vllm/model_executor/models/qwen2_moe.py) to the routed output (TP 1 only)."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
     lin = floor._linear
     logits = lin(x, m.gate.weight, None)
     w, ids = _softmax_topk(logits, m.gate.top_k, m.gate.norm_topk_prob)
-    out = _fused_op()(x, m._rlalign_floor_w13, m._rlalign_floor_w2, w, ids, floor.moe_isa)
+    parts = [_fused_op()(x, w13, w2, w, ids, floor.moe_isa) for w13, w2 in m._rlalign_floor_ranks]
+    rp = floor.row_parallel
+    out = parts[0] if len(parts) == 1 else rp.reduce(parts, rp.truncate)
     shared = getattr(m, "shared_expert", None)
     if shared is not None:
         s = floor._mlp(shared, x)

@@ -280,8 +280,6 @@ def floor(
     if s.tp > 1 and (p.tp is None or s.tp not in p.tp.sizes):
         why = p.tp.beyond if p.tp else "no all-reduce data"
         return None, f"floor skipped: profile {p.name} does not model tensor parallel {s.tp} ({why})"
-    if s.tp > 1 and getattr(s.config, "num_experts", None):
-        return None, f"floor skipped: the MoE floor does not split the experts over {s.tp} ranks yet"
     from rlalign_verl.tools.diagnose.engine_floor import EngineFloor
 
     compiled = not p.name.endswith("-eager")
