@@ -54,7 +54,7 @@ def engine_isa() -> str:
     return "vec"
 
 
-def _padded(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_intermediate(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad the intermediate dimension to a multiple of ``ALIGNMENT`` as ``_pad_moe_intermediate`` does:
     gate rows ``[0, I)``, up rows ``[P, P + I)`` of ``w13 [E, 2P, H]``; ``w2 [E, H, P]``."""
     e, two_i, h = gate_up.shape
@@ -85,7 +85,7 @@ def engine_fused_moe(
         )
     isa = engine_isa()
     # the engine holds the checkpoint's bf16 expert weights (a no-op for bf16 parameters)
-    w13, w2 = _padded(gate_up.detach().to(x.dtype), down.detach().to(x.dtype))
+    w13, w2 = pad_intermediate(gate_up.detach().to(x.dtype), down.detach().to(x.dtype))
     out = torch.empty_like(x)
     cpu_fused_moe(
         out,

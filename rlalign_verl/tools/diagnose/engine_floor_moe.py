@@ -131,7 +131,7 @@ def prepare_floor_experts(model: torch.nn.Module, tp: int = 1) -> str:
     (``_pad_moe_intermediate``); returns the ISA."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    from rlalign_verl.align.engine_ops.moe_op import _padded
+    from rlalign_verl.align.engine_ops.moe_op import pad_intermediate
     from rlalign_verl.align.moe_patch import rank_experts
 
     isa = cpu_isa()
@@ -140,7 +140,7 @@ def prepare_floor_experts(model: torch.nn.Module, tp: int = 1) -> str:
             gate_up, down = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach()
             ranks = []
             for r in range(tp):
-                w13, w2 = _padded(*rank_experts(gate_up, down, r, tp))
+                w13, w2 = pad_intermediate(*rank_experts(gate_up, down, r, tp))
                 ranks.append((cpu_prepack_moe_weight(w13, isa), cpu_prepack_moe_weight(w2, isa)))
             m.__dict__["_rlalign_floor_ranks"] = ranks
     _fused_op()
