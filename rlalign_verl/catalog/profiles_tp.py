@@ -162,6 +162,12 @@ def unsplittable(config: Any, tp: int) -> str | None:
     return None
 
 
+def has_shared_expert(config: Any) -> bool:
+    """An MoE block with a shared expert (Qwen2-MoE): vLLM adds its gated rank partials to the routed ones before
+    the one all-reduce (``reduce_results=False``), which the tp region does not model."""
+    return (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0
+
+
 def check_request(profile: Any, spec: Any) -> None:
     """The ``tp`` region on ``profile``: data for its engine's reduction, at a TP size the data describes, on a host
     whose all-reduce store is established."""
@@ -189,7 +195,7 @@ def check_model(model_type: str, config: Any, spec: Any, moe: bool) -> None:
     tp = spec.rollout_tp
     if tp == 1:
         return
-    if moe and (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+    if moe and has_shared_expert(config):
         raise UnsupportedModelError(
             f"the tp region splits routed experts, and {model_type} has a shared expert, whose gated rank partials "
             "vLLM adds to the routed ones before the all-reduce (not modelled yet): drop tp from the regions for "

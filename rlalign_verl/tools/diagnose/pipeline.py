@@ -121,7 +121,7 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
     profile does not model."""
     if tp == 1:
         return
-    from rlalign_verl.catalog.profiles_tp import unsplittable
+    from rlalign_verl.catalog.profiles_tp import has_shared_expert, unsplittable
 
     split = unsplittable(config, tp)
     if split:
@@ -130,7 +130,7 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
             f"{tp} ranks; use a TP size that divides it"
         )
 
-    if (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0:
+    if has_shared_expert(config):
         raise AlignmentError(
             f"{where} {tp}: {config.model_type} has a shared expert, whose tensor-parallel layout (gated rank partials "
             "added to the routed ones before the all-reduce) the settings and the ladder do not model yet; diagnose "
