@@ -171,13 +171,26 @@ def compute_probe(weight: torch.Tensor) -> torch.Tensor:
     return weight.new_empty(0, dtype=dtype)
 
 
-def mlp_forward(st: AlignmentState) -> Callable:
+def mlp_hidden(st: AlignmentState) -> Callable:
+    """``hidden(mlp, x)``: a SwiGLU MLP's output before ``down_proj``, with the swiglu region's rounding where it is
+    aligned and HF's own ``act_fn(gate_proj(x)) * up_proj(x)`` elsewhere."""
+    if "swiglu" not in st.regions:
+        return lambda m, x: m.act_fn(m.gate_proj(x)) * m.up_proj(x)
     swiglu_fn, _ = region_fns(st)
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+    def hidden(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate = m.gate_proj(x)
         require_bf16(gate, "the SwiGLU input gate_proj(x)")
-        return self.down_proj(swiglu_fn(gate, self.up_proj(x)))
+        return swiglu_fn(gate, m.up_proj(x))
+
+    return hidden
+
+
+def mlp_forward(st: AlignmentState) -> Callable:
+    hidden = mlp_hidden(st)
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(hidden(self, x))
 
     return forward
 

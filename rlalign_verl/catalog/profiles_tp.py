@@ -155,17 +155,16 @@ def vllm_cpu_allreduce_store() -> str:
 def unsplittable(config: Any, tp: int) -> str | None:
     """``"attr=size"`` of the first dimension a TP engine splits evenly (attention heads, MLP width, each MoE
     expert's width) that ``tp`` does not divide; ``None`` when every one divides (or the config does not say)."""
-    for attr in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+    for attr in (
+        "num_attention_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    ):
         size = getattr(config, attr, None) if config is not None else None
         if isinstance(size, int) and size % tp:
             return f"{attr}={size}"
     return None
-
-
-def has_shared_expert(config: Any) -> bool:
-    """An MoE block with a shared expert (Qwen2-MoE): vLLM adds its gated rank partials to the routed ones before
-    the one all-reduce (``reduce_results=False``), which the tp region does not model."""
-    return (getattr(config, "shared_expert_intermediate_size", 0) or 0) > 0
 
 
 def check_request(profile: Any, spec: Any) -> None:
@@ -190,17 +189,11 @@ def check_request(profile: Any, spec: Any) -> None:
 
 
 def check_model(model_type: str, config: Any, spec: Any, moe: bool) -> None:
-    """The engine splits heads, the MLP's and each routed expert's intermediate columns evenly; an MoE block with a
-    shared expert (whose rank partials join the routed ones before one all-reduce) is not modelled."""
+    """The engine splits heads, the MLP's, each routed expert's and the shared expert's intermediate columns
+    evenly, and refuses more ranks than experts."""
     tp = spec.rollout_tp
     if tp == 1:
         return
-    if moe and has_shared_expert(config):
-        raise UnsupportedModelError(
-            f"the tp region splits routed experts, and {model_type} has a shared expert, whose gated rank partials "
-            "vLLM adds to the routed ones before the all-reduce (not modelled yet): drop tp from the regions for "
-            "this model"
-        )
     experts = getattr(config, "num_experts", None)
     if moe and isinstance(experts, int) and experts < tp:
         raise UnsupportedModelError(

@@ -8,11 +8,16 @@ Source facts written here (vLLM 0.31.0, read from its code, not from rlalign_ver
   all-reduce (``moe_runner._maybe_reduce_final_output``) sums the ranks' bf16 outputs; vLLM CPU's shm all-reduce at
   2 ranks is one fp32 add and one conversion (nearest with AVX512-BF16; truncation with AVX512F alone; AVX2: gloo's
   bf16 add, nearest).
-- Qwen2-MoE's shared expert adds its gated rank partials before that all-reduce (``reduce_results=False``): not
-  modelled, refused.
+- Qwen2-MoE's shared expert (``Qwen2MoeMLP`` with ``reduce_results=False``): rank ``r`` computes its down_proj over
+  its K slice (a bf16 partial, no all-reduce of its own), ``F.sigmoid(expert_gate(x)) * out`` on it
+  (``Qwen2MoeMLP.forward``), then ``shared_output + fused_output`` with its routed partial
+  (``MoERunner.forward``), and the one late all-reduce sums the ranks' sums. Eager every op stores bf16; compiled,
+  the [T, 1] sigmoid is stored and Inductor fuses product and sum into one bf16 store (the all-reduce's input).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -160,12 +165,80 @@ def test_the_tp_region_splits_a_qwen3_moe_models_experts_and_comes_off() -> None
     assert "forward" in m.model.layers[0].mlp.experts.__dict__ and get_alignment(m).regions == ("rope", "tp")
 
 
-def test_moe_at_rollout_tp_needs_tp_and_a_shared_expert_is_refused() -> None:
+def _shared_block_reference(block: torch.nn.Module, x: torch.Tensor, rounding, fused: bool, store: str):
+    """The source facts above, written here: each rank's gated shared partial plus its routed partial, one
+    all-reduce. The shared expert's SwiGLU output is taken from its own (aligned) forward."""
+    seen = []
+    sh = block.shared_expert
+    hook = sh.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        sh(x)
+        hook.remove()
+        _, w, top = block.gate(x)
+        h, wd, e = seen[0], sh.down_proj.weight, block.experts
+        k = wd.shape[1] // 2
+        gate = torch.sigmoid(torch.nn.functional.linear(x, block.shared_expert_gate.weight))  # bf16 [T, 1]
+        total = torch.zeros(x.shape)
+        for r in range(2):
+            shared = torch.nn.functional.linear(h[:, r * k : (r + 1) * k], wd[:, r * k : (r + 1) * k])  # bf16
+            routed = mix_experts(x, top, w, *_rank_weights(e.gate_up_proj, e.down_proj, r, 2), rounding)
+            if fused:  # compiled: product and sum in fp32, one store
+                rank = (gate.float() * shared.float() + routed.float()).to(BF)
+            else:  # eager: F.sigmoid(gate) * out stores, shared_output + fused_output stores
+                rank = gate * shared + routed
+            total = total + rank.float()
+        return _to_bf16(total, store)
+
+
+@pytest.mark.parametrize("profile, fused", [("vllm-cpu-eager", False), ("vllm-cpu", True)])
+def test_a_shared_experts_rank_partials_join_the_routed_ones_before_one_all_reduce(profile: str, fused: bool):
+    m = _moe_model("qwen2_moe")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = m(ids).logits
+    regions = ["rope", "swiglu", "rmsnorm", "moe", "tp"]
+    apply_alignment(m, regions=regions, engine=profile, rollout_tp=2)
+    block = m.model.layers[0].mlp
+    assert "forward" in block.__dict__ and "forward" in m.model.layers[0].self_attn.o_proj.__dict__
+    # its all-reduce is the block's: the shared expert's down_proj is not reduced on its own
+    assert "forward" not in block.shared_expert.down_proj.__dict__
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2)).to(BF)
+    rounding = dataclasses.replace(get_profile(profile).moe, block_sum="bf16")  # the experts' own rounding
+    store = _host_allreduce_store()
+    with torch.no_grad():
+        got = block(x)
+    assert got.dtype == BF and torch.equal(got, _shared_block_reference(block, x, rounding, fused, store))
+    # the other path's rank sum is another result: the comparison can fail
+    assert not torch.equal(got, _shared_block_reference(block, x, rounding, not fused, store))
+    remove_alignment(m)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, before)
+
+
+def test_gradients_through_a_split_shared_expert_block_match_the_unsplit_ones() -> None:
+    """As for the routed experts: the split moves roundings, not the math (bf16 tolerance, as above)."""
+    grads = []
+    for tp in (2, None):
+        m = _moe_model("qwen2_moe")
+        if tp:
+            apply_alignment(m, regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=tp)
+        block = m.model.layers[0].mlp
+        x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3)).to(BF).requires_grad_()
+        block(x).float().square().sum().backward()
+        sh = block.shared_expert
+        grads.append(
+            [x.grad, sh.down_proj.weight.grad, sh.gate_proj.weight.grad, block.experts.down_proj.grad]
+        )
+    for a, b in zip(*grads, strict=True):
+        a, b = a.float(), b.float()
+        assert torch.isfinite(a).all() and b.abs().max() > 0
+        assert (a - b).abs().max() <= 0.04 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+
+
+def test_moe_at_rollout_tp_needs_tp() -> None:
     m = _moe_model("qwen3_moe")
     with pytest.raises(AlignmentError, match="add tp to the regions"):
         apply_alignment(m, regions=["rope", "swiglu", "rmsnorm", "moe"], engine="vllm-cpu", rollout_tp=2)
-    with pytest.raises(UnsupportedModelError, match="has a shared expert"):
-        apply_alignment(_moe_model("qwen2_moe"), regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=2)
     assert get_alignment(m) is None
     spec = AlignmentSpec.parse(regions=["rope", "tp"], engine="vllm", rollout_tp=4, spelling="python")
     odd = Qwen3MoeConfig(num_attention_heads=4, intermediate_size=96, moe_intermediate_size=66, num_experts=4)

@@ -245,16 +245,18 @@ def test_lora_wrapped_projections_are_refused_not_dropped():
     assert not [n for n, mod in m.named_modules() if "forward" in mod.__dict__]  # nothing was bound
 
 
-def test_tp_on_an_moe_block_with_a_shared_expert_is_refused():
-    """Routed experts split (tests/align/test_tp_moe.py); a shared expert's gated partials are not modelled."""
+def test_tp_on_moe_models_checks_every_split_width():
+    """Routed experts split (tests/align/test_tp_moe.py), a shared expert too; each width must divide."""
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
     from rlalign_verl.request.checks import validate_request
 
     spec = AlignmentSpec.parse(regions="tp", engine="vllm-cpu", rollout_tp=2)
     validate_request(spec, model_type="qwen3_moe", model_config=Qwen3MoeConfig())
-    with pytest.raises(UnsupportedModelError, match="has a shared expert, whose gated rank partials"):
-        validate_request(spec, model_type="qwen2_moe", model_config=Qwen2MoeConfig())
+    validate_request(spec, model_type="qwen2_moe", model_config=Qwen2MoeConfig())
+    odd = Qwen2MoeConfig(shared_expert_intermediate_size=5631)
+    with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size=5631 is not divisible"):
+        validate_request(spec, model_type="qwen2_moe", model_config=odd)
 
 
 def test_a_hand_set_rollout_tp_is_refused_on_the_driver_surfaces():
@@ -301,9 +303,7 @@ def test_the_ladder_has_a_tp_rung_for_tp_rollouts():
     rung, regions, _, why = tp_step("vllm-cpu", 2)
     assert why is None and "tp" in regions and "attention" in regions
     assert "different hidden states" in tp_step("vllm-cpu", 4)[3]
-    assert (
-        tp_step("vllm-cpu", 2, moe=True)[3] is None
-    )  # routed experts split (a shared expert: refused earlier)
+    assert tp_step("vllm-cpu", 2, moe=True)[3] is None  # routed and shared experts split
     assert tp_step("vllm", 4)[3] is None  # CUDA data: measured (and judged) where it runs
 
 

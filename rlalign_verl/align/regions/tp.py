@@ -42,12 +42,7 @@ class _RowParallelFn(torch.autograd.Function):
                 )
                 for r in range(tp)
             ]
-            # the engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror
-            if parts[0].dtype is not torch.bfloat16:
-                raise ComputeDtypeError(
-                    f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
-                    "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
-                )
+            _require_bf16_parts(parts[0])
             return reduce_partials(parts, reduction, store)
 
     @staticmethod
@@ -61,6 +56,61 @@ class _RowParallelFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.reshape(-1, g.shape[-1]).sum(0)
         return gx, gw, gb, None, None, None
+
+
+class _RowParallelPartsFn(torch.autograd.Function):
+    """The ranks' bf16 partial products of a row-parallel projection, stacked ``[tp, ..., N]`` and not reduced (a
+    layer whose all-reduce comes later: Qwen2-MoE's shared expert, ``reduce_results=False``). Backward: each rank's
+    K slice gets its own partial's gradient (disjoint column blocks of the input and weight gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.tp = bias is not None, tp
+        with torch.no_grad():
+            k = weight.shape[1] // tp
+            parts = [
+                F.linear(
+                    x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None
+                )
+                for r in range(tp)
+            ]  # rank r's GEMM over its K slice stores a bf16 partial; the bias on rank 0 only
+            _require_bf16_parts(parts[0])
+            return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        tp, dtype = ctx.tp, g.dtype
+        k = weight.shape[1] // tp
+        cols = [slice(r * k, (r + 1) * k) for r in range(tp)]
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.cat([g[r] @ weight[:, c].to(dtype) for r, c in enumerate(cols)], dim=-1)
+        if ctx.needs_input_grad[1]:
+            flat = [g[r].reshape(-1, g.shape[-1]).t() for r in range(tp)]
+            gw = torch.cat(
+                [f @ x[..., c].to(dtype).reshape(-1, k) for f, c in zip(flat, cols, strict=True)], dim=1
+            )
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g[0].reshape(-1, g.shape[-1]).sum(0)
+        return gx, gw, gb, None
+
+
+def row_parallel_parts(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int
+) -> list[torch.Tensor]:
+    """The ``tp`` ranks' bf16 partial products of ``x @ weight.T (+ bias)`` (rank order), before any all-reduce."""
+    return list(_RowParallelPartsFn.apply(x, weight, bias, tp).unbind(0))
+
+
+def _require_bf16_parts(part: torch.Tensor) -> None:
+    # the engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror
+    if part.dtype is not torch.bfloat16:
+        raise ComputeDtypeError(
+            f"the tp region's projection computes in {str(part.dtype).removeprefix('torch.')}, but it "
+            "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
+        )
 
 
 def reduce_partials(parts: list[torch.Tensor], reduction: TpReduction, store: str) -> torch.Tensor:
@@ -121,10 +171,25 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     if tp == 1:
         return []
     split = [(family.cls(role), attr) for role, attr in family.row_parallel]
+    deferred = deferred_reduce(model, family)  # reduced with their MoE block (moe_patch.plan)
     out: list[tuple[nn.Module, Callable, tuple]] = []
     for name, m in model.named_modules():
         for cls, attr in split:
-            if isinstance(m, cls):
+            if isinstance(m, cls) and id(getattr(m, attr)) not in deferred:
                 check_row_parallel(getattr(m, attr), f"{name}.{attr}")
                 out.append((getattr(m, attr), row_parallel_forward, (tp, st.profile.tp)))
     return out
+
+
+def deferred_reduce(model: nn.Module, family: ModelFamily) -> set[int]:
+    """``id``s of the row-parallel projections whose all-reduce the engine defers to their MoE block's: Qwen2-MoE's
+    shared expert ``down_proj`` (``reduce_results=False``), computed rank by rank with the routed experts by the
+    block's forward (:func:`rlalign_verl.align.moe_patch.plan`)."""
+    if family.moe_block is None:
+        return set()
+    block_cls = family.cls("moe_block")
+    return {
+        id(m.shared_expert.down_proj)
+        for m in model.modules()
+        if isinstance(m, block_cls) and getattr(m, "shared_expert", None) is not None
+    }

@@ -282,11 +282,15 @@ class EngineFloor:
 
         return SiluAndMul.forward_native(torch.cat((gate, up), dim=-1))
 
+    def _mlp_act(self, m, x):
+        """A dense MLP's (and Qwen2-MoE's shared expert's) SwiGLU output, before ``down_proj``."""
+        lin = self._linear
+        return self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
+
     def _mlp(self, m, x):
         lin = self._linear
         if not hasattr(m, "experts"):  # dense MLP (and Qwen2-MoE's shared expert)
-            act = self._silu_and_mul(lin(x, m.gate_proj.weight, None), lin(x, m.up_proj.weight, None))
-            return self.row_parallel(lin, act, m.down_proj.weight, None)
+            return self.row_parallel(lin, self._mlp_act(m, x), m.down_proj.weight, None)
         from rlalign_verl.tools.diagnose.engine_floor_moe import floor_experts
 
         return floor_experts(self, m, x)

@@ -149,22 +149,25 @@ def prepare_floor_experts(model: torch.nn.Module, tp: int = 1) -> str:
 
 def floor_experts(floor, m, x: torch.Tensor) -> torch.Tensor:
     """An HF sparse MoE block as vLLM's CPU build runs it: ``GateLinear`` (bf16 logits), ``CPURouter``
-    softmax top-k (traced into the graph when compiled), ``cpu_fused_moe`` (per rank at TP > 1, then the
-    engine's all-reduce, as ``moe_runner._maybe_reduce_final_output``); Qwen2-MoE adds its shared expert
-    ``sigmoid(gate(x)) * mlp(x)`` (vllm/model_executor/models/qwen2_moe.py) to the routed output (TP 1 only)."""
+    softmax top-k (traced into the graph when compiled), ``cpu_fused_moe`` (per rank at TP > 1); Qwen2-MoE adds its
+    shared expert ``sigmoid(gate(x)) * mlp(x)`` (``Qwen2MoeMLP.forward``, vllm/model_executor/models/qwen2_moe.py)
+    to the routed output, at TP > 1 rank by rank (its ``down_proj`` has ``reduce_results=False``); then the
+    engine's all-reduce of the ranks' sums (``moe_runner._maybe_reduce_final_output``)."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
-    lin = floor._linear
+    lin, rp = floor._linear, floor.row_parallel
     logits = lin(x, m.gate.weight, None)
     w, ids = _softmax_topk(logits, m.gate.top_k, m.gate.norm_topk_prob)
     parts = [_fused_op()(x, w13, w2, w, ids, floor.moe_isa) for w13, w2 in m._rlalign_floor_ranks]
-    rp = floor.row_parallel
-    out = parts[0] if len(parts) == 1 else rp.reduce(parts, rp.truncate)
     shared = getattr(m, "shared_expert", None)
     if shared is not None:
-        s = floor._mlp(shared, x)
-        out = torch.sigmoid(lin(x, m.shared_expert_gate.weight, None)) * s + out
-    return out
+        gate = torch.sigmoid(lin(x, m.shared_expert_gate.weight, None))
+        if len(parts) == 1:
+            shares = [floor._mlp(shared, x)]
+        else:
+            shares = rp.parts(lin, floor._mlp_act(shared, x), shared.down_proj.weight, None)
+        parts = [gate * s + p for s, p in zip(shares, parts, strict=True)]
+    return parts[0] if len(parts) == 1 else rp.reduce(parts, rp.truncate)
 
 
 def _shared_sum_norm(gate, shared, routed, residual, weight, eps):

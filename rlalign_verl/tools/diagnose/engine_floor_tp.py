@@ -61,13 +61,19 @@ class RowParallel:
     ) -> torch.Tensor:
         if self.reduce is None:
             return linear(x, weight, bias)
+        return self.reduce(self.parts(linear, x, weight, bias), self.truncate)
+
+    def parts(
+        self, linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """The ranks' bf16 partial products (rank order), before the all-reduce: rank ``r`` multiplies its K slice
+        (the bias on rank 0)."""
         k = weight.shape[1] // self.tp
-        parts = [
+        return [
             linear(x[..., r * k : (r + 1) * k].contiguous(), weight[:, r * k : (r + 1) * k].contiguous(),
                    bias if r == 0 else None)
             for r in range(self.tp)
         ]  # fmt: skip
-        return self.reduce(parts, self.truncate)
 
     def embed(self, embedding: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings as ``VocabParallelEmbedding`` forms them: each rank looks up the ids of its

@@ -117,11 +117,10 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
 
 def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: str = "--tp") -> None:
     """Refuse, before the engine starts (or the dump is recomputed), a TP size this diagnosis cannot mirror: one that
-    does not split the model, an MoE block with a shared expert at TP > 1, and (running the engine here) a size the
-    profile does not model."""
+    does not split the model and (running the engine here) a size the profile does not model."""
     if tp == 1:
         return
-    from rlalign_verl.catalog.profiles_tp import has_shared_expert, unsplittable
+    from rlalign_verl.catalog.profiles_tp import unsplittable
 
     split = unsplittable(config, tp)
     if split:
@@ -130,12 +129,6 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
             f"{tp} ranks; use a TP size that divides it"
         )
 
-    if has_shared_expert(config):
-        raise AlignmentError(
-            f"{where} {tp}: {config.model_type} has a shared expert, whose tensor-parallel layout (gated rank partials "
-            "added to the routed ones before the all-reduce) the settings and the ladder do not model yet; diagnose "
-            "it at tensor parallel 1"
-        )
     data = getattr(profile, "tp", None)
     if profile is not None and (data is None or tp not in data.sizes):
         sizes = ", ".join(map(str, data.sizes)) if data else "none"
