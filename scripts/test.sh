@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: lint, the main suite, the version matrix and OpenRLHF's suite (its own environment).
+# Run the whole test suite: lint, the main suite, the version matrix, OpenRLHF's suite (its own environment) and the
+# host-class-dependent tests again as the AVX2 class where this host has more (scripts/test_host_classes.sh).
 # Every tier runs even when an earlier one fails (one red test must not hide the others); the script fails at
 # the end, naming each tier that failed. Two lanes run side by side (RLALIGN_TEST_LANES=1: one after the other):
 # the main suite without the GRPO runs, and the GRPO runs (-m grpo) followed by the version matrix and OpenRLHF's
@@ -21,12 +22,13 @@ tier() {  # tier NAME COMMAND...: run it, remember a failure, go on
         failed+=("${name}")
     fi
 }
-second_lane() {  # the GRPO runs, the version matrix, OpenRLHF's suite; prints "LANE-FAILED <tier>" lines last
+second_lane() {  # GRPO runs, version matrix, OpenRLHF's suite, other host classes; "LANE-FAILED <tier>" lines last
     tier grpo .venv/bin/python -m pytest tests -m grpo --durations=10
     tier matrix bash scripts/test_matrix.sh
     if [ -f scripts/test_openrlhf.sh ]; then
         tier openrlhf bash scripts/test_openrlhf.sh
     fi
+    tier host-classes bash scripts/test_host_classes.sh
     for name in "${failed[@]}"; do echo "LANE-FAILED ${name}"; done
 }
 start=$SECONDS

@@ -121,6 +121,10 @@ def _fresh_env(where: Path, artifact: Path) -> tuple[Path, Path]:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # under scripts/as_host_class.sh the machine's class travels on PYTHONPATH (its hook folder holds no package)
+    hooks = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p.endswith("host_class")]
+    if hooks and os.environ.get("RLALIGN_HOST_CLASS"):
+        env["PYTHONPATH"] = os.pathsep.join(hooks)
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
     return env
 

@@ -167,23 +167,34 @@ def unsplittable(config: Any, tp: int) -> str | None:
     return None
 
 
+def unmodelled_size(profile: Any, tp: int) -> str | None:
+    """Why ``profile`` cannot mirror a rollout at tensor parallel ``tp`` (its engine path runs no tensor parallelism,
+    or its data does not describe that size), in words; ``None`` when it can (TP 1 always can)."""
+    data: TpReduction | None = getattr(profile, "tp", None)
+    if tp == 1:
+        return None
+    if data is None:
+        return f"profile {profile.name} runs no tensor parallelism"
+    if tp not in data.sizes:
+        return (
+            f"profile {profile.name} models tensor parallel {', '.join(map(str, data.sizes))} ({data.beyond})"
+        )
+    return None
+
+
 def check_request(profile: Any, spec: Any) -> None:
     """The ``tp`` region on ``profile``: data for its engine's reduction, at a TP size the data describes, on a host
     whose all-reduce store is established."""
     tp = spec.rollout_tp
+    why = unmodelled_size(profile, tp)
+    if why:
+        raise AlignmentError(
+            f"the tp region mirrors the rollout's tensor-parallel all-reduce at tensor parallel {tp}, and {why}; "
+            "choose the rollout engine's profile (rlalign-verl profiles), roll out at a modelled size, or drop tp"
+        )
     if tp == 1:
         return  # the region changes nothing at TP=1
-    data: TpReduction | None = profile.tp
-    if data is None:
-        raise AlignmentError(
-            f"the tp region mirrors a rollout engine's tensor-parallel all-reduce, and profile {profile.name} runs no "
-            f"tensor parallelism; choose the rollout engine's profile (rlalign-verl profiles) or drop tp"
-        )
-    if tp not in data.sizes:
-        raise AlignmentError(
-            f"rollout tensor parallel {tp} with the tp region on profile {profile.name}: {data.beyond}; "
-            f"drop tp from the regions or roll out at tensor parallel {', '.join(map(str, data.sizes))}"
-        )
+    data: TpReduction = profile.tp
     if data.store == "vllm-cpu-allreduce":
         vllm_cpu_allreduce_store()  # a host whose all-reduce rounding is not established is refused here
 

@@ -86,7 +86,7 @@ def test_tensor_parallel_size(tmp_path):
             tmp_path, ["tensor_parallel_size must be an integer >= 1", repr(bad)], tensor_parallel_size=bad
         )
     for bad in (1.5, "2", True, None):
-        _refused(tmp_path, ["'tensor_parallel_size' must be a int"], tensor_parallel_size=bad)
+        _refused(tmp_path, ["'tensor_parallel_size' must be an integer"], tensor_parallel_size=bad)
     assert _accepted(tmp_path, tensor_parallel_size=1).tensor_parallel_size == 1
 
 

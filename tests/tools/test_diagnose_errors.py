@@ -125,7 +125,7 @@ CASES = {
     "out under a file": (_out_under_file, ["under a file", "directory"]),
     "write-rollouts is a dir": (_write_rollouts_dir, ["--write-rollouts", "is a directory", "file path"]),
     "binary dump": (_binary, ["not a text JSONL", "--write-rollouts"]),
-    "header field type": (_seed_type, ["'seed' must be a int", ":1:"]),
+    "header field type": (_seed_type, ["'seed' must be an integer", ":1:"]),
     "dump from another checkpoint": (_other_checkpoint, ["another checkpoint", "'llama'", "pass --model"]),
     "no tokenizer": (_no_tokenizer, ["has no tokenizer", "tokenizer files"]),
     "truncated config.json": (_truncated_config, ["cannot read", "config.json"]),

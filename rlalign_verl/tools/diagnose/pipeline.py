@@ -120,7 +120,7 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
     does not split the model and (running the engine here) a size the profile does not model."""
     if tp == 1:
         return
-    from rlalign_verl.catalog.profiles_tp import unsplittable
+    from rlalign_verl.catalog.profiles_tp import unmodelled_size, unsplittable
 
     split = unsplittable(config, tp)
     if split:
@@ -129,13 +129,9 @@ def check_tp(config: Any, model_dir: Path, tp: int, profile: Any = None, where: 
             f"{tp} ranks; use a TP size that divides it"
         )
 
-    data = getattr(profile, "tp", None)
-    if profile is not None and (data is None or tp not in data.sizes):
-        sizes = ", ".join(map(str, data.sizes)) if data else "none"
-        raise AlignmentError(
-            f"{where} {tp}: profile {profile.name} models tensor parallel {sizes} "
-            f"({data.beyond if data else 'no all-reduce'}); use one of those sizes"
-        )
+    why = unmodelled_size(profile, tp) if profile is not None else None
+    if why:
+        raise AlignmentError(f"{where} {tp}: {why}; use a size the profile models")
 
 
 def head_option(regions: tuple[str, ...], head_dtype: str) -> dict[str, str]:

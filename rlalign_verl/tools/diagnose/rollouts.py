@@ -166,13 +166,14 @@ _HEADER_TYPES: dict[str, type] = {
 _HEADER_KNOWN = {"kind", "format_version", *_HEADER_TYPES}
 
 
+_KIND = {int: "an integer", str: "a string", dict: "an object"}  # as the field types above say it
+
+
 def _check_header_types(path: Path, head: dict[str, Any]) -> None:
     for key, want in _HEADER_TYPES.items():
         v = head.get(key)
         if key in head and (not isinstance(v, want) or isinstance(v, bool)):
-            raise _fail(
-                path, 1, f"header field {key!r} must be a {want.__name__}, got {type(v).__name__} {v!r}"
-            )
+            raise _fail(path, 1, f"header field {key!r} must be {_KIND[want]}, got {type(v).__name__} {v!r}")
 
 
 def _read_lines(path: Path) -> list[str]:
