@@ -235,6 +235,25 @@ def test_gradients_through_a_split_shared_expert_block_match_the_unsplit_ones() 
         assert (a - b).abs().max() <= 0.04 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.slow
+def test_a_split_qwen2_moe_trains_under_checkpointing_and_compiles() -> None:
+    m = _moe_model("qwen2_moe").train()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    apply_alignment(m, regions=["rope", "swiglu", "rmsnorm", "moe", "tp"], engine="vllm-cpu", rollout_tp=2)
+    m(ids).logits.float().logsumexp(-1).mean().backward()
+    plain = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert plain["model.layers.0.mlp.shared_expert.down_proj.weight"].abs().max() > 0
+    m.zero_grad()
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m(ids).logits.float().logsumexp(-1).mean().backward()
+    for n, g in plain.items():
+        assert torch.equal(m.get_parameter(n).grad, g), n  # the recompute is the same computation
+    m.gradient_checkpointing_disable()
+    m.eval()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend="eager")(ids).logits, m(ids).logits)
+
+
 def test_moe_at_rollout_tp_needs_tp() -> None:
     m = _moe_model("qwen3_moe")
     with pytest.raises(AlignmentError, match="add tp to the regions"):
