@@ -6,7 +6,9 @@ visible ``[B, T, H]`` output does. This checks that FSDP2's hooks still fire in 
 unsharded before each layer's backward, gradients reduced after it) for every carry kind — ``PAIR``
 (``sglang``, ``vllm-cpu-eager``), ``FP32_SUM`` (``vllm``, ``vllm-cpu``), ``ROUNDED_SUM`` (``hf``,
 ``vllm-eager``) — and the ``tp`` region's split projections (rollout TP 2), with and without verl's
-non-reentrant gradient checkpointing, on 2 gloo ranks (CPU).
+non-reentrant gradient checkpointing, on 2 gloo ranks (CPU); and a Qwen2-MoE with ``moe`` + ``tp``, whose shared expert's
+rank partials join the routed ones before one all-reduce (its block reads the experts' and shared expert's
+parameters inside the layer FSDP2 unshards).
 
 Expected: bit-identical. Both ranks see the same batch, so FSDP2's fp32 reduce gives ``(g + g) / 2 = g``
 exactly, and ``g`` is the bf16 gradient of the reference (parameters in bf16, as FSDP2 computes with
@@ -25,8 +27,11 @@ from gloo_fsdp import child_env
 
 PROFILES = ("hf", "vllm-eager", "sglang", "vllm-cpu-eager", "vllm", "vllm-cpu")
 THREE = ("rope", "swiglu", "rmsnorm")
-CASES = [(p, THREE, 1) for p in PROFILES] + [("vllm-cpu", (*THREE, "tp"), 2)]
-"""(profile, regions, rollout TP): every carry kind, and the tp region's per-rank GEMMs + reduction."""
+CASES = [(p, THREE, 1, "qwen3") for p in PROFILES] + [
+    ("vllm-cpu", (*THREE, "tp"), 2, "qwen3"),
+    ("vllm-cpu", (*THREE, "moe", "tp"), 2, "qwen2_moe"),
+]
+"""(profile, regions, rollout TP, model): every carry kind, the tp region's per-rank GEMMs + reduction, per MoE rank."""
 WORLD = 2
 
 
@@ -55,14 +60,19 @@ def test_fsdp2_gradients_equal_unsharded_for_every_carry_kind(tmp_path) -> None:
     assert len(set(sums.values())) >= 5, sums
 
 
-def _build():
+def _build(arch: str = "qwen3"):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3Config
 
-    cfg = Qwen3Config(
+    common = dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=128, tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
+        vocab_size=128, tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
+    if arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                             num_experts_per_tok=2, norm_topk_prob=True, **common)  # fmt: skip
+    else:
+        cfg = Qwen3Config(head_dim=16, **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -93,9 +103,10 @@ def _rank(rank: int, out_file: str) -> None:
 
     mesh, mp = init_gloo_fsdp(WORLD, rank)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    base = _build()
+    bases = {arch: _build(arch) for arch in {c[3] for c in CASES}}
     results = []
-    for profile, regions, tp in CASES:
+    for profile, regions, tp, arch in CASES:
+        base = bases[arch]
         for checkpointing in (False, True):
             ref = copy.deepcopy(base)
             for p in ref.parameters():
@@ -115,7 +126,7 @@ def _rank(rank: int, out_file: str) -> None:
             results.append(
                 {
                     "profile": profile,
-                    "case": f"{profile} {'+'.join(regions)} tp{tp}",
+                    "case": f"{arch} {profile} {'+'.join(regions)} tp{tp}",
                     "checkpointing": checkpointing,
                     "params": len(names),
                     "mismatched": mismatched,
