@@ -104,22 +104,9 @@ def expert_parts(
     tp: int,
 ) -> list[torch.Tensor]:
     """The ranks' routed-expert outputs (vLLM ``FusedMoE`` without expert parallel, rank order): rank ``r`` holds
-    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`rank_experts`), runs the experts and the
+    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_experts`), runs the experts and the
     combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16."""
-    return [mix(x, experts, weights, *rank_experts(gate_up, down, r, tp), rounding) for r in range(tp)]
-
-
-def rank_experts(
-    gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``r``'s expert weights as vLLM's ``FusedMoE`` loader fills them (``_load_w13``/``_load_w2`` narrow by
-    ``tp_rank``): ``w13 [E, 2I/tp, H]`` = its slice of the gate rows, then the same slice of the up rows of
-    ``gate_up [E, 2I, H]``; ``w2 [E, H, I/tp]`` = the same columns of ``down``."""
-    inter = down.shape[-1]
-    k = inter // tp
-    cols = slice(r * k, (r + 1) * k)
-    w13 = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
-    return w13, down[:, :, cols]
+    return [mix(x, experts, weights, gate_up, down, rounding, rank=(r, tp)) for r in range(tp)]
 
 
 def router_fn(profile: EngineProfile, variant: str = "emulate") -> Callable:

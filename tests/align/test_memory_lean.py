@@ -21,10 +21,9 @@ whole allowance (the engine really carries that state between layers).
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
+from saved_memory import saved_by_module
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rlalign_verl.align.patch import apply_alignment, remove_alignment
@@ -50,36 +49,6 @@ def build() -> torch.nn.Module:
 
 
 IDS = torch.randint(0, 512, (1, T), generator=torch.Generator().manual_seed(0))
-
-
-def saved_by_module(model: torch.nn.Module) -> dict[str, list[tuple[tuple[int, ...], torch.dtype, int]]]:
-    """Distinct non-parameter storages saved for backward by one forward, keyed by the module that saved
-    each first: ``name -> [(shape, dtype, storage bytes), ...]``."""
-    stack = ["<model>"]
-    handles = []
-    for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: stack.append(n)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1]))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, tuple[str, tuple[int, ...], torch.dtype, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = (stack[-1], tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(IDS).logits
-    finally:
-        for h in handles:
-            h.remove()
-    del out
-    by_module: dict[str, list] = defaultdict(list)
-    for name, shape, dtype, nbytes in seen.values():
-        by_module[name].append((shape, dtype, nbytes))
-    return by_module
 
 
 def group_bytes(by_module: dict[str, list], group: str) -> int:
@@ -130,13 +99,13 @@ def model() -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def hf_saved(model: torch.nn.Module) -> dict[str, list]:
     remove_alignment(model)
-    return saved_by_module(model)
+    return saved_by_module(model, IDS)
 
 
 def aligned_saved(model: torch.nn.Module, regions: tuple[str, ...], profile: str) -> dict[str, list]:
     apply_alignment(model, regions=regions, engine=profile)
     try:
-        return saved_by_module(model)
+        return saved_by_module(model, IDS)
     finally:
         remove_alignment(model)
 
@@ -191,7 +160,7 @@ def test_allocator_count_matches_saved_tensor_count_for_hf(model) -> None:
     remove_alignment(model)
     model.gradient_checkpointing_disable()
     held = held_after_forward(model)
-    saved = sum(nb for items in saved_by_module(model).values() for _, _, nb in items)
+    saved = sum(nb for items in saved_by_module(model, IDS).values() for _, _, nb in items)
     logits = T * 512 * 2
     assert abs(held - logits - saved) <= 0.01 * saved, (held, saved)
 

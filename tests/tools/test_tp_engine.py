@@ -82,15 +82,18 @@ def test_tp2_moe_experts_split_like_the_engine_are_exactly_zero(engine_rollouts,
     emulated = _gaps(hf, run, (*LADDER, "moe", "tp"))
     # the same with the experts unsplit (rank 0 holds every column, rank 1 zero weights: its partial is 0 and
     # the all-reduce returns rank 0's output unchanged), everything else as above: the exact zero needs the split
-    import rlalign_verl.align.moe_patch as moe_patch
+    import rlalign_verl.align.regions.moe as moe_math
 
-    whole = moe_patch.rank_experts
+    whole = moe_math.rank_experts
 
     def unsplit_ranks(gate_up, down, r, tp):
         w13, w2 = whole(gate_up, down, 0, 1)
         return (w13, w2) if r == 0 else (w13 * 0, w2 * 0)
 
-    monkeypatch.setattr(moe_patch, "rank_experts", unsplit_ranks)
+    import rlalign_verl.align.engine_ops.moe_op as moe_op
+
+    for where in (moe_math, moe_op):  # the emulation's slices (backward) and the op's (forward)
+        monkeypatch.setattr(where, "rank_experts", unsplit_ranks)
     unsplit = _gaps(hf, run, (*LADDER, "moe", "tp"), moe_variant="engine-op")
     print(
         f"\nqwen3_moe TP=2 eager: engine op {int((exact == 0).sum())}/{exact.numel()} exact, experts unsplit "

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from rlalign_verl.align.regions.moe import mix_experts
+from rlalign_verl.align.regions.moe import mix_experts, rank_experts
 from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.catalog.profiles import MoeRounding
 
@@ -106,9 +106,11 @@ class _EngineExpertsFn(torch.autograd.Function):
     """Forward: ``cpu_fused_moe``. Backward: the emulated experts + combine recomputed and differentiated."""
 
     @staticmethod
-    def forward(ctx, x, ids, weights, gate_up, down, rounding):  # type: ignore[override]
-        ctx.save_for_backward(x, ids, weights, gate_up, down)
-        ctx.rounding = rounding
+    def forward(ctx, x, ids, weights, gate_up, down, rounding, rank):  # type: ignore[override]
+        ctx.save_for_backward(x, ids, weights, gate_up, down)  # the full weights: a rank's slice is rebuilt
+        ctx.rounding, ctx.rank = rounding, rank
+        if rank is not None:
+            gate_up, down = rank_experts(gate_up.detach(), down.detach(), *rank)
         return engine_fused_moe(x.detach(), gate_up, down, weights.detach(), ids)
 
     @staticmethod
@@ -120,10 +122,10 @@ class _EngineExpertsFn(torch.autograd.Function):
                 t.detach().requires_grad_(n) if n else t.detach() for t, n in zip(saved, needs, strict=True)
             ]
             x, ids, weights, gate_up, down = leaves
-            y = mix_experts(x, ids, weights, gate_up, down, ctx.rounding)
+            y = mix_experts(x, ids, weights, gate_up, down, ctx.rounding, rank=ctx.rank)
             wanted = [t for t, n in zip(leaves, needs, strict=True) if n]
             got = iter(torch.autograd.grad(y, wanted, grad) if wanted else ())
-        return (*(next(got) if n else None for n in needs), None)
+        return (*(next(got) if n else None for n in needs), None, None)
 
 
 def engine_experts(
@@ -133,7 +135,9 @@ def engine_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     rounding: MoeRounding,
+    rank: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The routed experts + weighted combine of ``x [T, H]`` by the engine's op; gradients as
-    ``mix_experts(x, ids, weights, gate_up, down, rounding)``'s (``rounding``: the emulated path's)."""
-    return _EngineExpertsFn.apply(x, ids, weights, gate_up, down, rounding)
+    ``mix_experts(x, ids, weights, gate_up, down, rounding)``'s (``rounding``: the emulated path's). ``rank=(r,
+    tp)``: tensor-parallel rank ``r``'s part (its slice of the weights is rebuilt in backward, not kept)."""
+    return _EngineExpertsFn.apply(x, ids, weights, gate_up, down, rounding, rank)

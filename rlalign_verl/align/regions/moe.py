@@ -47,6 +47,29 @@ def route(
     return w, idx
 
 
+class _Fp32Gemm(torch.autograd.Function):
+    """``a.float() @ w.float().t()``: a GEMM of bf16 operands into an fp32 accumulator, as the fused expert kernels
+    compute it. Only the bf16 ``a`` and ``w`` are kept for backward (``w``: a view of the expert parameter, no
+    storage of its own); autograd through the ``.float()`` copies would keep an fp32 copy of every expert's weights
+    (twice their bf16 size) until backward. Backward recomputes the casts: the same fp32 math."""
+
+    @staticmethod
+    def forward(ctx, a, w):  # type: ignore[override]
+        ctx.save_for_backward(a, w)
+        return a.float() @ w.float().t()  # .float(): bf16 products, fp32 accumulation
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        a, w = ctx.saved_tensors
+        ga = (g @ w.float()).to(a.dtype) if ctx.needs_input_grad[0] else None
+        gw = (a.float().t() @ g).t().to(w.dtype) if ctx.needs_input_grad[1] else None
+        return ga, gw
+
+
+def _fp32_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _Fp32Gemm.apply(a, w)
+
+
 def _expert(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rounding: MoeRounding
 ) -> torch.Tensor:
@@ -55,17 +78,17 @@ def _expert(
     if rounding.expert_gemm == "fp32":
         # fused expert kernel (vLLM cpu_fused_moe): bf16 products accumulated in fp32, the GEMM output is
         # never stored in bf16; only the SwiGLU output (the second GEMM's operand) is rounded
-        gu = x.float() @ gate_up.float().t()
+        gu = _fp32_gemm(x, gate_up)
         g, u = gu[..., :inter], gu[..., inter:]
         a = F.silu(g)
         if rounding.expert_act_roundings == 2:
             a = rnd(a, x.dtype)
         a = store_as(a * u, rounding.store, x.dtype)  # the kernel's bf16 store: R, or T without AVX512-BF16
-        return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator, not rounded here
+        return _fp32_gemm(a, down)  # the down GEMM's fp32 accumulator, not rounded here
     g, u = F.linear(x, gate_up).chunk(2, dim=-1)
     a = swiglu(g, u, SwigluRounding(roundings=rounding.expert_act_roundings))
     if rounding.combine == "slot":
-        return a.float() @ down.float().t()  # .float(): the down GEMM's fp32 accumulator meets the weight
+        return _fp32_gemm(a, down)  # the down GEMM's fp32 accumulator meets the weight
     return F.linear(a, down)
 
 
@@ -76,12 +99,16 @@ def mix_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     rounding: MoeRounding,
+    rank: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``sum_k w_k * expert_{e_k}(x)`` per token, rounded where ``rounding`` says; ``x`` is ``[T, H]``.
 
     ``gate_up``: ``[E, 2I, H]`` (gate rows first), ``down``: ``[E, H, I]``, as HF stores them. Experts run
-    in ascending order, as HF's loop (the order of the bf16 running sum).
+    in ascending order, as HF's loop (the order of the bf16 running sum). ``rank=(r, tp)``: tensor-parallel rank
+    ``r``'s part, on its slice of every expert (:func:`rank_experts`).
     """
+    if rank is not None:
+        gate_up, down = rank_experts(gate_up, down, *rank)
     if rounding.combine == "slot":
         return _mix_by_slot(x, experts, weights, gate_up, down, rounding)
     dtype = x.dtype
@@ -144,3 +171,16 @@ def fused_gate_sum(
         # .float(): sigmoid, product and sum stay in fp32 registers until the one store
         out = torch.sigmoid(logit) * shared.float() + routed.float()
         return out.to(dtype)
+
+
+def rank_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s expert weights as vLLM's ``FusedMoE`` loader fills them (``_load_w13``/``_load_w2`` narrow by
+    ``tp_rank``): ``w13 [E, 2I/tp, H]`` = its slice of the gate rows, then the same slice of the up rows of
+    ``gate_up [E, 2I, H]``; ``w2 [E, H, I/tp]`` = the same columns of ``down``."""
+    inter = down.shape[-1]
+    k = inter // tp
+    cols = slice(r * k, (r + 1) * k)
+    w13 = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
+    return w13, down[:, :, cols]

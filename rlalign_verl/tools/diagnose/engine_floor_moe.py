@@ -127,12 +127,12 @@ def _fused_op():
 def prepare_floor_experts(model: torch.nn.Module, tp: int = 1) -> str:
     """Prepack every sparse block's expert weights for ``cpu_fused_moe`` (once, outside any compiled code,
     as the engine does after loading): at tensor parallel ``tp`` each rank's slice
-    (:func:`rlalign_verl.align.moe_patch.rank_experts`), its intermediate dimension padded as the engine pads it
+    (:func:`rlalign_verl.align.regions.moe.rank_experts`), its intermediate dimension padded as the engine pads it
     (``_pad_moe_intermediate``); returns the ISA."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     from rlalign_verl.align.engine_ops.moe_op import pad_intermediate
-    from rlalign_verl.align.moe_patch import rank_experts
+    from rlalign_verl.align.regions.moe import rank_experts
 
     isa = cpu_isa()
     for m in model.modules():
