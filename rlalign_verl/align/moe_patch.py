@@ -104,8 +104,8 @@ def expert_parts(
     tp: int,
 ) -> list[torch.Tensor]:
     """The ranks' routed-expert outputs (vLLM ``FusedMoE`` without expert parallel, rank order): rank ``r`` holds
-    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_experts`), runs the experts and the
-    combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16."""
+    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_experts`), runs the
+    experts and the combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16."""
     return [mix(x, experts, weights, gate_up, down, rounding, rank=(r, tp)) for r in range(tp)]
 
 
@@ -168,9 +168,8 @@ def rank_block_sum(block_sum: str, x: torch.Tensor, gate_weight: torch.Tensor, s
     rounds the rest (:class:`~rlalign_verl.catalog.profiles_moe.MoeRounding`)."""
     if block_sum == "fused":
         return fused_gate_sum(x, gate_weight, shared, routed)  # one fused kernel per rank, one store
-    gate = torch.sigmoid(
-        nn.functional.linear(x, gate_weight)
-    )  # bf16 logit, bf16 sigmoid: the engine's [T, 1]
+    # bf16 logit, bf16 sigmoid: the engine's [T, 1] gate
+    gate = torch.sigmoid(nn.functional.linear(x, gate_weight))
     if block_sum == "fp32":
         # .float(): Inductor fuses product and sum and stores them once, as the all-reduce's bf16 input
         return (gate.float() * shared.float() + routed.float()).to(shared.dtype)

@@ -34,16 +34,7 @@ class _RowParallelFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         with torch.no_grad():
-            k = weight.shape[1] // tp
-            # rank r's GEMM over its K slice stores a bf16 partial; the bias is added on rank 0 only, in its GEMM
-            parts = [
-                F.linear(
-                    x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None
-                )
-                for r in range(tp)
-            ]
-            _require_bf16_parts(parts[0])
-            return reduce_partials(parts, reduction, store)
+            return reduce_partials(_rank_partials(x, weight, bias, tp), reduction, store)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -68,15 +59,7 @@ class _RowParallelPartsFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.tp = bias is not None, tp
         with torch.no_grad():
-            k = weight.shape[1] // tp
-            parts = [
-                F.linear(
-                    x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None
-                )
-                for r in range(tp)
-            ]  # rank r's GEMM over its K slice stores a bf16 partial; the bias on rank 0 only
-            _require_bf16_parts(parts[0])
-            return torch.stack(parts)
+            return torch.stack(_rank_partials(x, weight, bias, tp))
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -104,13 +87,22 @@ def row_parallel_parts(
     return list(_RowParallelPartsFn.apply(x, weight, bias, tp).unbind(0))
 
 
-def _require_bf16_parts(part: torch.Tensor) -> None:
-    # the engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror
-    if part.dtype is not torch.bfloat16:
+def _rank_partials(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int
+) -> list[torch.Tensor]:
+    """Rank r's GEMM over its K slice, a bf16 partial each (rank order); the bias is added on rank 0 only, in its
+    GEMM. The engine's partials are bf16: an fp32 (or fp16) computation has nothing to mirror."""
+    k = weight.shape[1] // tp
+    parts = [
+        F.linear(x[..., r * k : (r + 1) * k], weight[:, r * k : (r + 1) * k], bias if r == 0 else None)
+        for r in range(tp)
+    ]
+    if parts[0].dtype is not torch.bfloat16:
         raise ComputeDtypeError(
-            f"the tp region's projection computes in {str(part.dtype).removeprefix('torch.')}, but it "
+            f"the tp region's projection computes in {str(parts[0].dtype).removeprefix('torch.')}, but it "
             "mirrors a bf16 engine; run the model in bf16 (or under bf16 autocast), or turn alignment off"
         )
+    return parts
 
 
 def reduce_partials(parts: list[torch.Tensor], reduction: TpReduction, store: str) -> torch.Tensor:
