@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recompute_threads import single_thread
 
 from rlalign_verl.align.patch import apply_alignment, remove_alignment
 from rlalign_verl.tools.diagnose.pipeline import load_hf, recompute
@@ -74,7 +75,8 @@ def _lps(hf, rollouts: list, engine: str, regions: tuple, **kw) -> list[torch.Te
         full = [
             type(r)(r.prompt_ids[:1], r.prompt_ids[1:] + r.response_ids, [], None) for r in rollouts
         ]  # everything after token 0 as "response": one recompute gives prompt and response log-probs
-        return recompute(lambda x: hf(input_ids=x[None]).logits[0], full, "exact-zero")
+        with single_thread():
+            return recompute(lambda x: hf(input_ids=x[None]).logits[0], full, "exact-zero")
     finally:
         remove_alignment(hf)
 
