@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite: lint, the main suite, the version matrix, OpenRLHF's suite (its own environment) and the
-# host-class-dependent tests again as the AVX2 class where this host has more (scripts/test_host_classes.sh).
+# host-class-dependent tests again as the AVX2 and AVX512-without-BF16 classes where this host has more
+# (scripts/test_host_classes.sh).
 # Every tier runs even when an earlier one fails (one red test must not hide the others); the script fails at
 # the end, naming each tier that failed. Two lanes run side by side (RLALIGN_TEST_LANES=1: one after the other):
 # the main suite without the GRPO runs, and the GRPO runs (-m grpo) followed by the version matrix and OpenRLHF's

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The tests whose expectations depend on the x86 host class (the bf16 store of vLLM's kernel build, its all-reduce,
 # oneDNN's and Inductor's ISA), run again as each smaller class this host can take on (scripts/as_host_class.sh):
-# on an AMX or AVX512-BF16 host the AVX2 class, so a change that breaks it is seen on any CI host, not only when
-# one happens to be AVX2-only. A class the host already is (its native run covers it) or lacks is skipped.
-# RLALIGN_HOST_CLASSES: the classes to take on (default "avx2"; also "avx512": AVX512 without BF16).
+# on an AMX or AVX512-BF16 host the AVX2 and AVX512-without-BF16 classes, so a change that breaks one is seen on any
+# CI host, not only on a host of that class. A class the host already is (its native run covers it) or lacks is
+# skipped.
+# RLALIGN_HOST_CLASSES: the classes to take on (default "avx2 avx512": AVX2 only, AVX512 without BF16).
 # Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +30,7 @@ FILES=(
 )
 has() { grep -qw "$1" /proc/cpuinfo; }
 failed=()
-for class in ${RLALIGN_HOST_CLASSES:-avx2}; do
+for class in ${RLALIGN_HOST_CLASSES:-avx2 avx512}; do
     case "${class}" in
     avx2) native=$(has avx512f || echo yes); able=$(has avx2 && echo yes) ;;
     avx512) native=$(has avx512f && ! has avx512_bf16 && echo yes); able=$(has avx512f && echo yes) ;;
