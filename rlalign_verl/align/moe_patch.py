@@ -18,7 +18,7 @@ from torch import nn
 from rlalign_verl.align.forwards import mlp_hidden, require_bf16
 from rlalign_verl.align.regions._precision import host_store
 from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts, route
-from rlalign_verl.align.regions.tp import reduce_partials, row_parallel_parts
+from rlalign_verl.align.regions.tp import check_row_parallel, reduce_partials, row_parallel_parts
 from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles import HF, EngineProfile, MoeRounding
 from rlalign_verl.catalog.profiles_tp import TpReduction
@@ -231,11 +231,13 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     else:
         shared = None
     out: list[tuple[nn.Module, Callable, tuple]] = []
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, experts_cls):
             out.append((m, _experts_forward, (rounding, st.moe_variant, tp, profile.tp)))
         elif "moe" in regions and isinstance(m, router_cls):
             out.append((m, _router_forward, (rounding, profile, st.moe_variant)))
         elif shared and isinstance(m, block_cls) and getattr(m, "shared_expert", None) is not None:
+            if tp > 1:  # the rank-by-rank block reads the gate's weight itself
+                check_row_parallel(m.shared_expert_gate, f"{name}.shared_expert_gate", how="reads")
             out.append((m, *shared))
     return out

@@ -254,6 +254,16 @@ def test_a_split_qwen2_moe_trains_under_checkpointing_and_compiles() -> None:
         assert torch.equal(torch.compile(m, backend="eager")(ids).logits, m(ids).logits)
 
 
+@pytest.mark.parametrize("target", ["shared_expert.down_proj", "shared_expert_gate"])
+def test_an_adapter_on_the_shared_experts_reduced_layers_is_refused_before_binding(target: str) -> None:
+    peft = pytest.importorskip("peft")
+    m = peft.get_peft_model(_moe_model("qwen2_moe"), peft.LoraConfig(r=4, target_modules=[target]))
+    with pytest.raises(UnsupportedModelError, match=f"{target.split('.')[-1]} as a plain nn.Linear") as info:
+        apply_alignment(m, regions=["rope", "tp"], engine="vllm-cpu", rollout_tp=2)
+    assert "\n" not in str(info.value)
+    assert not [n for n, mod in m.named_modules() if "forward" in mod.__dict__]  # nothing was bound
+
+
 def test_moe_at_rollout_tp_needs_tp() -> None:
     m = _moe_model("qwen3_moe")
     with pytest.raises(AlignmentError, match="add tp to the regions"):

@@ -145,12 +145,13 @@ def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
     return forward
 
 
-def check_row_parallel(module: nn.Module, where: str) -> None:
-    """The tp region replaces a plain ``nn.Linear``'s forward; a wrapper (a PEFT LoRA layer, a quantized linear)
-    computes more than ``weight``/``bias``, which the split would silently drop: refused in one line."""
+def check_row_parallel(module: nn.Module, where: str, how: str = "splits") -> None:
+    """The tp region replaces a plain ``nn.Linear``'s forward (or reads its weight); a wrapper (a PEFT LoRA layer, a
+    quantized linear) computes more than ``weight``/``bias``, which the split would silently drop: refused in one
+    line."""
     if type(module) is not nn.Linear:
         raise UnsupportedModelError(
-            f"the tp region splits {where} as a plain nn.Linear, but it is a {type(module).__module__}."
+            f"the tp region {how} {where} as a plain nn.Linear, but it is a {type(module).__module__}."
             f"{type(module).__name__} (LoRA adapters or a quantized layer are not modelled under tensor parallelism); "
             "merge the adapters into the weights, or drop tp from the regions"
         )
@@ -167,9 +168,11 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     out: list[tuple[nn.Module, Callable, tuple]] = []
     for name, m in model.named_modules():
         for cls, attr in split:
-            if isinstance(m, cls) and id(getattr(m, attr)) not in deferred:
-                check_row_parallel(getattr(m, attr), f"{name}.{attr}")
-                out.append((getattr(m, attr), row_parallel_forward, (tp, st.profile.tp)))
+            if isinstance(m, cls):
+                linear = getattr(m, attr)
+                check_row_parallel(linear, f"{name}.{attr}")  # a deferred one is split by its block's forward
+                if id(linear) not in deferred:
+                    out.append((linear, row_parallel_forward, (tp, st.profile.tp)))
     return out
 
 
