@@ -23,14 +23,18 @@ tier() {  # tier NAME COMMAND...: run it, remember a failure, go on
         failed+=("${name}")
     fi
 }
-second_lane() {  # GRPO runs, version matrix, OpenRLHF's suite, other host classes; "LANE-FAILED <tier>" lines last
+second_lane() {  # GRPO runs, version matrix, OpenRLHF's suite, the AVX2 class; "LANE-FAILED <tier>" lines last
     tier grpo .venv/bin/python -m pytest tests -m grpo --durations=10
     tier matrix bash scripts/test_matrix.sh
     if [ -f scripts/test_openrlhf.sh ]; then
         tier openrlhf bash scripts/test_openrlhf.sh
     fi
-    tier host-classes bash scripts/test_host_classes.sh
+    tier class-avx2 env RLALIGN_HOST_CLASSES=avx2 bash scripts/test_host_classes.sh
     for name in "${failed[@]}"; do echo "LANE-FAILED ${name}"; done
+}
+main_lane() {  # the main suite, then the AVX512-without-BF16 class (the lanes take about as long)
+    tier main .venv/bin/python -m pytest tests -m "not grpo" --durations=25
+    tier class-avx512 env RLALIGN_HOST_CLASSES=avx512 bash scripts/test_host_classes.sh
 }
 start=$SECONDS
 tier lint .venv/bin/ruff check rlalign_verl tests benchmarks scripts setup.py
@@ -38,15 +42,15 @@ tier format .venv/bin/ruff format --check rlalign_verl tests benchmarks scripts 
 if [ $# -gt 0 ]; then
     tier main .venv/bin/python -m pytest tests --durations=25 "$@"
 elif [ "${RLALIGN_TEST_LANES:-2}" = 1 ]; then
-    tier main .venv/bin/python -m pytest tests -m "not grpo" --durations=25
+    main_lane
     second_lane
 else
     lane_log=$(mktemp "${TMPDIR:-/tmp}/rlalign-lane2.XXXXXX")
     (failed=() && second_lane) >"${lane_log}" 2>&1 &  # the lane names only its own failed tiers
     lane_pid=$!
-    tier main .venv/bin/python -m pytest tests -m "not grpo" --durations=25
+    main_lane
     wait "${lane_pid}"
-    echo "== the second lane (GRPO runs, version matrix, OpenRLHF), run alongside:"
+    echo "== the second lane (GRPO runs, version matrix, OpenRLHF, the AVX2 class), run alongside:"
     cat "${lane_log}"
     while read -r word name; do
         [ "${word}" = LANE-FAILED ] && failed+=("${name}")
