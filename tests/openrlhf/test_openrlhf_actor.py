@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 pytest.importorskip("openrlhf")
 
 import torch  # noqa: E402
+from recompute_threads import single_thread  # noqa: E402
 
 from rlalign_verl.align.patch import apply_alignment, get_alignment  # noqa: E402
 from rlalign_verl.base.errors import LigerConflictError, ProfileMismatchError, UnsupportedModelError  # noqa: E402
 from rlalign_verl.openrlhf.settings import Settings  # noqa: E402
 
 OFF = Settings.build(regions=(), metrics=False)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Same thread count as the Ray worker, so both sides reduce in the same order."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def batch(vocab_size: int, seed: int = 0):
@@ -41,7 +29,7 @@ def batch(vocab_size: int, seed: int = 0):
 
 
 def log_probs(actor, seqs, attention, action):
-    with torch.no_grad(), one_thread():
+    with torch.no_grad(), single_thread():
         return actor(seqs, action, attention_mask=attention)
 
 

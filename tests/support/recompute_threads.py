@@ -1,5 +1,6 @@
-"""The trainer-side recompute of the engine tests runs single-threaded, as ``rlalign-verl diagnose`` does for tiny
-models and as each engine rank ran (one core per rank). Where the bf16 GEMM's result depends on the thread count
+"""A recompute that must match a single-threaded other side (an OpenRLHF Ray worker, an engine rank) runs
+single-threaded too: the engine tests' recompute as ``rlalign-verl diagnose`` does for tiny models and as each
+engine rank ran (one core per rank). Where the bf16 GEMM's result depends on the thread count
 (oneDNN's bf16 GEMM on AVX512 without AVX512-BF16, measured this session as that class: TP=2 eager 998/1024 tokens
 exact with 2 threads, 1024/1024 with 1; compiled TP=1 16/128 tokens off with 2 threads, 0 with 1), a bit-exact
 claim compares like with like only so; on the other classes the thread count changes nothing."""
