@@ -229,6 +229,50 @@ def test_the_layer_check_can_fail():
     assert _levels({"a": {"b"}, "b": {"c"}, "c": set()}) == 3
 
 
+CORE = ("base", "catalog", "request", "align")
+# a region added on the registry: its math (align/regions/NAME.py), its data and rules (catalog/profiles_NAME.py),
+# read by its row (request/regions.py) and its profile field (catalog/profiles.py); no other core module knows it
+REGION_FILES = {
+    "tp": {
+        "rlalign_verl.align.regions.tp",
+        "rlalign_verl.catalog.profiles_tp",
+        "rlalign_verl.request.regions",
+        "rlalign_verl.catalog.profiles",
+    },
+}
+
+
+def _knowing(graph: dict[str, set[str]], region: str) -> set[str]:
+    """The core modules that are, or import, the region's math or data module."""
+    own = {f"rlalign_verl.align.regions.{region}", f"rlalign_verl.catalog.profiles_{region}"}
+    return {
+        m
+        for m, targets in graph.items()
+        if m.split(".")[1:2] and m.split(".")[1] in CORE and (m in own or own & targets)
+    }
+
+
+@pytest.mark.parametrize("region", sorted(REGION_FILES))
+def test_a_registry_region_is_known_to_its_files_only(region: str):
+    """Issue 32's bar for the tp region: adding it touched its math, its row and its profile field; the MoE planner,
+    the family table and the precision helpers do not know it (the patcher keeps a later row's binding)."""
+    assert _knowing(_graph(), region) == REGION_FILES[region]
+
+
+def test_the_region_files_check_can_fail():
+    graph = {
+        "rlalign_verl.align.regions.tp": set(),
+        "rlalign_verl.catalog.profiles_tp": set(),
+        "rlalign_verl.align.moe_patch": {"rlalign_verl.align.regions.tp"},
+        "rlalign_verl.tools.diagnose.ladder": {"rlalign_verl.catalog.profiles_tp"},
+    }
+    assert _knowing(graph, "tp") == {
+        "rlalign_verl.align.regions.tp",
+        "rlalign_verl.catalog.profiles_tp",
+        "rlalign_verl.align.moe_patch",
+    }
+
+
 def test_no_private_name_is_imported_across_modules():
     offenders = [
         f"{path.relative_to(PACKAGE)}: {module}.{name}"

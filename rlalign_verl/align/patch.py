@@ -123,8 +123,9 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
 
     regions = spec.regions
     base = _base_model(model, family)
-    # the regions that bind their own modules (the registry's planners): every check runs before anything is bound
-    planned = [b for name in plans(regions) for b in _planner(name)(model, family, st)]
+    # the regions that bind their own modules (the registry's planners): every check runs before anything is bound;
+    # where two rows plan the same module, the later row's binding is kept (tp splits the experts swiglu/moe align)
+    planned = {id(b[0]): b for name in plans(regions) for b in _planner(name)(model, family, st)}
     layer_cls, attn_cls, mlp_cls = family.cls("decoder_layer"), family.cls("attention"), family.cls("mlp")
     attn_needed = "rope" in regions or "attention" in regions or ("rmsnorm" in regions and family.qk_norm)
     for m in model.modules():
@@ -141,7 +142,7 @@ def _patch_instance(model: nn.Module, spec: AlignmentSpec, profile: EngineProfil
         bind(base, base_model_forward, st)
     else:  # eager under torch.compile like the aligned modules
         bind(base, passthrough_forward)
-    for module, factory, args in planned:
+    for module, factory, args in planned.values():
         bind(module, factory, *args)
     model.__dict__[_STATE_ATTR] = st
     if base is not model:

@@ -33,8 +33,6 @@ class ModelFamily:
     """MoE families: the top-k router (its ``weight`` is the gate linear)."""
     moe_block: str | None = None
     """MoE families: the sparse block (router + experts, and in Qwen2-MoE the gated shared expert)."""
-    row_parallel: tuple[tuple[str, str], ...] = (("attention", "o_proj"), ("mlp", "down_proj"))
-    """``(module field, linear attribute)``: the projections a TP engine splits along their input (the tp region)."""
 
     def module(self) -> ModuleType:
         return importlib.import_module(self.modeling_module)

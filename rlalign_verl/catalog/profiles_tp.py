@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlalign_verl.base.errors import AlignmentError, ProfileMismatchError, UnsupportedModelError
-from rlalign_verl.catalog.profiles_moe import STORES
 
 ACCUMULATIONS = ("fp32", "bf16")
-TP_STORES = (*STORES, "vllm-cpu-allreduce")
-""":data:`~.profiles_moe.STORES`, and ``vllm-cpu-allreduce``: how vLLM's CPU all-reduce stores on this host
+TP_STORES = ("nearest", "truncate", "vllm-cpu-allreduce")
+"""``R(.)``, ``T(.)``, or ``vllm-cpu-allreduce``: how vLLM's CPU all-reduce stores on this host
 (:func:`vllm_cpu_allreduce_store`)."""
 ORDERS = ("rank", "own-rank-first")
 
@@ -55,6 +54,10 @@ class TpReduction:
             self.order == "own-rank-first" and max(self.sizes) > 2
         ):  # from 3 ranks on each rank holds other bits
             raise ValueError(f"invalid TpReduction {self}: own-rank-first describes TP <= 2 only")
+
+    def host_store(self) -> str:
+        """``"nearest"`` or ``"truncate"``: how the reduced sum is stored in bf16 on this host."""
+        return vllm_cpu_allreduce_store() if self.store == "vllm-cpu-allreduce" else self.store
 
 
 VLLM_CPU_SHM = TpReduction(

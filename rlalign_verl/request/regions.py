@@ -95,8 +95,7 @@ REGISTRY: tuple[Region, ...] = (
         rung=True,
         shows="rollout_tp",
         only_tp=True,
-        # the row-parallel projections; on MoE models the experts too (split by the MoE planner)
-        plan=("rlalign_verl.align.regions.tp:plan", "rlalign_verl.align.moe_patch:plan"),
+        plan=("rlalign_verl.align.regions.tp:plan",),  # row-parallel projections; MoE experts and blocks too
         check=profiles_tp.check_request,
         check_model=profiles_tp.check_model,
         startup=profiles_tp.startup_lines,

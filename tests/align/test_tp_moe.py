@@ -25,9 +25,9 @@ from moe_engine_reference import MODES, inputs, route, vllm_reference
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from rlalign_verl.align.engine_ops.moe_op import engine_experts, engine_op_available
-from rlalign_verl.align.moe_patch import split_experts
 from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alignment
 from rlalign_verl.align.regions.moe import mix_experts
+from rlalign_verl.align.regions.tp import split_experts
 from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
 from rlalign_verl.catalog.profiles import get_profile
 from rlalign_verl.catalog.profiles_tp import TpReduction

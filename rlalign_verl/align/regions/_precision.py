@@ -46,10 +46,6 @@ def host_store(store: str) -> str:
         from rlalign_verl.catalog.placement import vllm_cpu_kernel_store
 
         return vllm_cpu_kernel_store()
-    if store == "vllm-cpu-allreduce":
-        from rlalign_verl.catalog.profiles_tp import vllm_cpu_allreduce_store
-
-        return vllm_cpu_allreduce_store()
     return store
 
 

@@ -16,10 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlalign_verl.align.regions._precision import host_store, store_as
+from rlalign_verl.align.forwards import mlp_hidden
+from rlalign_verl.align.moe_patch import effective_moe, expert_mix
+from rlalign_verl.align.regions._precision import store_as
+from rlalign_verl.align.regions.moe import fused_gate_sum
 from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
 from rlalign_verl.catalog.families import ModelFamily
+from rlalign_verl.catalog.profiles import HF, MoeRounding
 from rlalign_verl.catalog.profiles_tp import TpReduction
+
+ROW_PARALLEL = (("attention", "o_proj"), ("mlp", "down_proj"))
+"""``(family role, linear attribute)``: the projections vLLM's model files build as ``RowParallelLinear`` (qwen2.py,
+qwen3.py, llama.py, qwen2_moe.py's shared expert), named alike in every family here."""
 
 
 class _RowParallelFn(torch.autograd.Function):
@@ -128,16 +136,16 @@ def row_parallel_linear(
     store: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` computed as ``tp`` ranks compute it and ``reduction`` sums it; ``store``: the
-    reduction's store already resolved for this host (:func:`._precision.host_store`), else resolved here."""
+    reduction's store already resolved for this host (:meth:`TpReduction.host_store`), else resolved here."""
     if tp == 1:
         return F.linear(x, weight, bias)
-    return _RowParallelFn.apply(x, weight, bias, tp, reduction, store or host_store(reduction.store))
+    return _RowParallelFn.apply(x, weight, bias, tp, reduction, store or reduction.host_store())
 
 
 def row_parallel_forward(tp: int, reduction: TpReduction) -> Callable:
     """The forward bound on a row-parallel ``nn.Linear`` (:func:`rlalign_verl.align.binding.bind`)."""
 
-    store = host_store(reduction.store)  # this host's store, settled once when the forward is built
+    store = reduction.host_store()  # this host's store, settled once when the forward is built
 
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return row_parallel_linear(x, self.weight, self.bias, tp, reduction, store)
@@ -157,14 +165,107 @@ def check_row_parallel(module: nn.Module, where: str, how: str = "splits") -> No
         )
 
 
+def split_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rounding: MoeRounding,
+    *,
+    mix: Callable,
+    tp: int,
+    reduction: TpReduction,
+    store: str,
+) -> torch.Tensor:
+    """The routed experts under the engine's tensor parallelism (:func:`expert_parts`), summed by the late
+    all-reduce (``moe_runner._maybe_reduce_final_output``) as the profile's ``reduction`` says."""
+    parts = expert_parts(x, experts, weights, gate_up, down, rounding, mix=mix, tp=tp)
+    return reduce_partials(parts, reduction, store)  # each part: rank r's bf16 output
+
+
+def expert_parts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rounding: MoeRounding,
+    *,
+    mix: Callable,
+    tp: int,
+) -> list[torch.Tensor]:
+    """The ranks' routed-expert outputs (vLLM ``FusedMoE`` without expert parallel, rank order): rank ``r`` holds
+    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_experts`), runs the
+    experts and the combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16."""
+    return [mix(x, experts, weights, gate_up, down, rounding, rank=(r, tp)) for r in range(tp)]
+
+
+def rank_block_sum(block_sum: str, x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor,
+                   routed: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One rank's ``sigmoid(x . w_gate) * shared + routed`` (Qwen2-MoE at rollout TP > 1), stored in bf16 as the
+    all-reduce's input: ``shared`` and ``routed`` are the rank's bf16 partials; ``block_sum`` says how the engine
+    rounds the rest (:class:`~rlalign_verl.catalog.profiles_moe.MoeRounding`)."""
+    if block_sum == "fused":
+        return fused_gate_sum(x, gate_weight, shared, routed)  # one fused kernel per rank, one store
+    # bf16 logit, bf16 sigmoid: the engine's [T, 1] gate
+    gate = torch.sigmoid(F.linear(x, gate_weight))
+    if block_sum == "fp32":
+        # .float(): Inductor fuses product and sum and stores them once, as the all-reduce's bf16 input
+        return (gate.float() * shared.float() + routed.float()).to(shared.dtype)
+    # eager (and HF): Qwen2MoeMLP.forward's F.sigmoid(gate) * out rounds, then MoERunner's shared + fused rounds
+    return gate * shared + routed
+
+
+def split_experts_forward(rounding: MoeRounding, variant: str, tp: int, reduction: TpReduction) -> Callable:
+    """The routed experts + combine (emulated or the engine's op, ``variant``) as ``tp`` ranks compute them
+    (:func:`split_experts`)."""
+    mix, store = expert_mix(variant), reduction.host_store()
+
+    def forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        return split_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             rounding, mix=mix, tp=tp, reduction=reduction, store=store)  # fmt: skip
+
+    return forward
+
+
+def shared_block_forward(
+    rounding: MoeRounding, block_sum: str, variant: str, hidden: Callable, tp: int, reduction: TpReduction
+) -> Callable:
+    """Qwen2-MoE's sparse block at rollout TP > 1 as vLLM computes it: the shared expert's down projection is
+    row-parallel without its own all-reduce (``reduce_results=False``), so each rank adds its gated shared partial
+    to its routed partial (:func:`rank_block_sum`) and one all-reduce sums the ranks
+    (``_maybe_reduce_final_output``). ``hidden(mlp, x)``: the shared expert's SwiGLU output, as the (aligned or HF)
+    MLP forms it."""
+    store = reduction.host_store()  # this host's all-reduce store, settled once
+    mix = expert_mix(variant)
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, weights, experts = self.gate(x)
+        e, sh = self.experts, self.shared_expert
+        routed = expert_parts(x, experts, weights, e.gate_up_proj, e.down_proj, rounding, mix=mix, tp=tp)
+        shared = row_parallel_parts(hidden(sh, x), sh.down_proj.weight, sh.down_proj.bias, tp)
+        w = self.shared_expert_gate.weight
+        parts = [rank_block_sum(block_sum, x, w, s, r) for s, r in zip(shared, routed, strict=True)]
+        return reduce_partials(parts, reduction, store).reshape(shape)
+
+    return forward
+
+
 def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Callable, tuple]]:
-    """The row-parallel projections to split (``family.row_parallel``), each checked before any is bound;
-    none at rollout TP 1 (the engine's projections are then the trainer's)."""
+    """The row-parallel projections to split (:data:`ROW_PARALLEL`) and, on MoE models, the routed experts and
+    Qwen2-MoE's shared-expert blocks, each checked before any is bound; none at rollout TP 1 (the engine's
+    projections are then the trainer's). The experts and blocks carry the swiglu/moe regions' rounding and replace
+    those regions' bindings of the same modules (the patcher keeps a later row's binding)."""
     tp = st.spec.rollout_tp
     if tp == 1:
         return []
-    split = [(family.cls(role), attr) for role, attr in family.row_parallel]
-    deferred = deferred_reduce(model, family)  # reduced with their MoE block (moe_patch.plan)
+    reduction = st.profile.tp
+    blocks = _shared_expert_blocks(model, family)
+    deferred = {id(b.shared_expert.down_proj) for _, b in blocks}  # reduced with their block
+    split = [(family.cls(role), attr) for role, attr in ROW_PARALLEL]
     out: list[tuple[nn.Module, Callable, tuple]] = []
     for name, m in model.named_modules():
         for cls, attr in split:
@@ -172,19 +273,34 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
                 linear = getattr(m, attr)
                 check_row_parallel(linear, f"{name}.{attr}")  # a deferred one is split by its block's forward
                 if id(linear) not in deferred:
-                    out.append((linear, row_parallel_forward, (tp, st.profile.tp)))
+                    out.append((linear, row_parallel_forward, (tp, reduction)))
+    if family.experts is None:
+        return out
+    regions = st.regions
+    # the experts split as the engine's ranks do, whatever else is aligned (HF's rounding if nothing)
+    rounding = effective_moe(st.profile.moe, regions)
+    experts_cls = family.cls("experts")
+    out += [(m, split_experts_forward, (rounding, st.moe_variant, tp, reduction))
+            for m in model.modules() if isinstance(m, experts_cls)]  # fmt: skip
+    # before the all-reduce each rank's sum is stored in bf16 whatever the path, so the profile's block sum
+    # applies with moe alone (at TP 1 the fp32 one needs rmsnorm to hand it on)
+    block_sum = st.profile.moe.block_sum if "moe" in regions else HF.moe.block_sum
+    for name, b in blocks:
+        check_row_parallel(b.shared_expert_gate, f"{name}.shared_expert_gate", how="reads")
+        out.append(
+            (b, shared_block_forward, (rounding, block_sum, st.moe_variant, mlp_hidden(st), tp, reduction))
+        )
     return out
 
 
-def deferred_reduce(model: nn.Module, family: ModelFamily) -> set[int]:
-    """``id``s of the row-parallel projections whose all-reduce the engine defers to their MoE block's: Qwen2-MoE's
-    shared expert ``down_proj`` (``reduce_results=False``), computed rank by rank with the routed experts by the
-    block's forward (:func:`rlalign_verl.align.moe_patch.plan`)."""
+def _shared_expert_blocks(model: nn.Module, family: ModelFamily) -> list[tuple[str, nn.Module]]:
+    """The MoE blocks with a shared expert (Qwen2-MoE), whose ``down_proj`` all-reduce the engine defers to the
+    block's (``reduce_results=False``)."""
     if family.moe_block is None:
-        return set()
+        return []
     block_cls = family.cls("moe_block")
-    return {
-        id(m.shared_expert.down_proj)
-        for m in model.modules()
+    return [
+        (name, m)
+        for name, m in model.named_modules()
         if isinstance(m, block_cls) and getattr(m, "shared_expert", None) is not None
-    }
+    ]
