@@ -27,6 +27,7 @@ FILES=(
     tests/tools/test_gpu_check_script.py
     tests/tools/test_exact_zero_gap.py
     tests/tools/test_tp_engine.py
+    tests/tools/test_moe_compiled_norm.py
 )
 has() { grep -qw "$1" /proc/cpuinfo; }
 failed=()

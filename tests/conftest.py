@@ -42,6 +42,7 @@ ENGINE_COMBOS: tuple[tuple[str, str, int], ...] = (
     ("qwen3_moe", "eager", 2),
     ("qwen2_moe", "eager", 2),
     ("qwen2_moe", "compiled", 2),
+    ("qwen3_moe", "compiled", 1),
 )
 """(arch, mode, tensor parallel) generated together on the first ``engine_rollouts`` request. Override with
 ``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager:2"`` (or ``none`` to generate only what is asked)."""

@@ -33,6 +33,9 @@ class ModelFamily:
     """MoE families: the top-k router (its ``weight`` is the gate linear)."""
     moe_block: str | None = None
     """MoE families: the sparse block (router + experts, and in Qwen2-MoE the gated shared expert)."""
+    shared_expert: bool = False
+    """The sparse block adds a gated shared expert (Qwen2-MoE): ``sigmoid(gate) * shared + routed``, which vLLM's
+    compiled CPU graph at rollout TP 1 forms inside the next norm's kernel."""
 
     def module(self) -> ModuleType:
         return importlib.import_module(self.modeling_module)
@@ -101,6 +104,7 @@ FAMILIES: dict[str, ModelFamily] = {
             experts="Qwen2MoeExperts",
             router="Qwen2MoeTopKRouter",
             moe_block="Qwen2MoeSparseMoeBlock",
+            shared_expert=True,
         ),
     )
 }

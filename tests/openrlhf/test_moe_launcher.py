@@ -112,8 +112,9 @@ def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monke
     assert carried.spec.experimental.unverified == ("moe",)
 
 
-def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
-    """compiled_norm is verified on dense models only: an MoE checkpoint is refused by the launcher."""
+def test_compiled_norm_on_qwen2_moe_at_tp1_is_refused_before_ray(tmp_path):
+    """compiled_norm is not verified on Qwen2-MoE at rollout TP 1: such a checkpoint is refused by the launcher;
+    Qwen3-MoE and dense checkpoints pass."""
     from rlalign_verl.base.errors import AlignmentError
 
     argv = [
@@ -123,11 +124,12 @@ def test_compiled_norm_on_moe_is_refused_before_ray(tmp_path):
         "vllm-cpu",
         "--alignment.experimental.compiled_norm",
     ]
-    with pytest.raises(AlignmentError, match="dense models only") as e:
-        parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen3_moe")])
+    with pytest.raises(AlignmentError, match="not verified on qwen2_moe at rollout tensor parallel 1") as e:
+        parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2_moe")])
     assert "\n" not in str(e.value)
-    dense = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2")])
-    assert dense.settings.spec.experimental.compiled_norm is True
+    for kind in ("qwen2", "qwen3_moe"):
+        ok = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, kind)])
+        assert ok.settings.spec.experimental.compiled_norm is True
 
 
 def test_moe_variant_flag(tmp_path):

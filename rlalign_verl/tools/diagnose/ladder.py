@@ -57,25 +57,23 @@ HEAD_NOTE = (
 )
 
 
-def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False, tp: int = 1) -> str | None:
+def skip_reason(
+    rung: Rung, profile: Any, head_dtype: str, moe: bool = False, tp: int = 1, model_type: str | None = None
+) -> str | None:
     """Why ``rung`` is not measured for this profile, engine head and model (``moe``: it has routed experts;
-    ``tp``: the rollout's tensor-parallel size)."""
+    ``tp``: the rollout's tensor-parallel size; ``model_type``: the architecture, for the rules that need it)."""
     if rung.needs == "attention":
-        from rlalign_verl.base.errors import AlignmentError
-        from rlalign_verl.request.spec import AlignmentSpec
-
         if profile.engine == "hf":
             return "the hf profile keeps HF's own attention: nothing to align"
-        try:
-            validate_request(AlignmentSpec.parse(regions="attention", engine=profile.name))
-        except AlignmentError as e:
-            return str(e)
+        return _refusal(regions="attention", engine=profile.name)
     if rung.needs == "fp32-head" and head_dtype != "float32":
         return HEAD_NOTE
     if rung.needs == "compiled-norm" and not profile.norm_inductor:
         return f"profile {profile.name} does not compile its norms with Inductor: the rmsnorm region already mirrors them"
-    if rung.needs == "compiled-norm" and moe:
-        return "compiled_norm is verified for dense models only"
+    if rung.needs == "compiled-norm" and model_type:
+        return _refusal(
+            regions="rmsnorm", engine=profile.name, compiled_norm=True, rollout_tp=tp, model_type=model_type
+        )
     if rung.needs == "moe-engine-op":
         return _moe_engine_op_reason(profile, moe)
     if rung.needs == "tp":
@@ -83,32 +81,32 @@ def skip_reason(rung: Rung, profile: Any, head_dtype: str, moe: bool = False, tp
     return None
 
 
-def _tp_reason(profile: Any, tp: int) -> str | None:
+def _refusal(model_type: str | None = None, **request: Any) -> str | None:
+    """Why the request (keyword form) is refused for ``model_type``, in its one line; ``None`` when it passes."""
     from rlalign_verl.base.errors import AlignmentError
     from rlalign_verl.request.spec import AlignmentSpec
 
-    if tp == 1:
-        return "the rollouts ran at tensor parallel 1: no all-reduce to mirror"
     try:
-        validate_request(AlignmentSpec.parse(regions="tp", engine=profile.name, rollout_tp=tp))
+        validate_request(AlignmentSpec.parse(**request), model_type=model_type)
     except AlignmentError as e:
         return str(e)
     return None
 
 
+def _tp_reason(profile: Any, tp: int) -> str | None:
+    if tp == 1:
+        return "the rollouts ran at tensor parallel 1: no all-reduce to mirror"
+    return _refusal(regions="tp", engine=profile.name, rollout_tp=tp)
+
+
 def _moe_engine_op_reason(profile: Any, moe: bool) -> str | None:
     from rlalign_verl.align.engine_ops.moe_op import engine_op_available
-    from rlalign_verl.base.errors import AlignmentError
-    from rlalign_verl.request.spec import AlignmentSpec
 
     if not moe:
         return "dense model: no routed experts"
-    try:
-        validate_request(
-            AlignmentSpec.parse(regions="swiglu,moe", engine=profile.name, moe_variant="engine-op")
-        )
-    except AlignmentError as e:
-        return str(e)
+    refused = _refusal(regions="swiglu,moe", engine=profile.name, moe_variant="engine-op")
+    if refused:
+        return refused
     ok, why = engine_op_available()
     return None if ok else f"vLLM's cpu_fused_moe is not callable here ({why})"
 
@@ -117,13 +115,15 @@ Step = tuple[Rung, tuple[str, ...] | None, dict[str, Any], str | None]
 """A planned rung: the rung, its cumulative regions (``None``: skipped), its options, why it is skipped."""
 
 
-def plan(profile: Any, head_dtype: str, moe: bool = False, tp: int = 1) -> list[Step]:
+def plan(
+    profile: Any, head_dtype: str, moe: bool = False, tp: int = 1, model_type: str | None = None
+) -> list[Step]:
     """``[(rung, cumulative regions or None, cumulative options, skip reason)]`` in ladder order."""
     out: list[Step] = []
     have: tuple[str, ...] = ()
     opts: dict[str, Any] = {}
     for rung in LADDER:
-        why = skip_reason(rung, profile, head_dtype, moe, tp)
+        why = skip_reason(rung, profile, head_dtype, moe, tp, model_type)
         if why is None:
             have = tuple(r for r in REGIONS + OPT_IN_REGIONS if r in {*have, *rung.adds})
             opts = {**opts, **rung.options}
@@ -250,8 +250,9 @@ def run_ladder(hf: Any, s: Any, head: tuple[str, str], seed: int, known: dict[st
     from rlalign_verl.catalog.families import get_family
     from rlalign_verl.tools.diagnose.options import label
 
-    moe = get_family(hf.config.model_type).experts is not None
-    steps, names, values = plan(s.profile, head[0], moe, s.tp), [], []
+    model_type = hf.config.model_type
+    moe = get_family(model_type).experts is not None
+    steps, names, values = plan(s.profile, head[0], moe, s.tp, model_type), [], []
     for rung, regions, opts, why in steps:
         if why is None:
             got = None if opts else known.get(label(regions))
