@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -21,3 +22,22 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def engine_gaps(hf: Any, run: Any, regions: tuple[str, ...], **options: Any) -> torch.Tensor:
+    """Per-token |Δlogp| of ``hf`` aligned with ``regions`` (none: unaligned) to the engine rollouts ``run`` (the
+    conftest's ``engine_rollouts``: its header's profile and TP size), recomputed single-threaded."""
+    from rlalign_verl.align.patch import apply_alignment, remove_alignment
+    from rlalign_verl.tools.diagnose.pipeline import recompute
+
+    if regions:
+        apply_alignment(hf, regions=regions, engine=run.header.profile, rollout_tp=run.tp, **options)
+    try:
+        with single_thread():
+            lps = recompute(
+                lambda ids: hf(input_ids=ids[None]).logits[0], run.rollouts, f"{regions} {options}"
+            )
+    finally:
+        remove_alignment(hf)
+    engine = torch.tensor([x for r in run.rollouts for x in r.response_logprobs])
+    return (torch.cat(lps) - engine).abs()

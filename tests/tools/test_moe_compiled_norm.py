@@ -11,26 +11,13 @@ same norms as in a dense model.
 from __future__ import annotations
 
 import pytest
-import torch
-from recompute_threads import single_thread
+from recompute_threads import engine_gaps
 
-from rlalign_verl.align.patch import apply_alignment, remove_alignment
-from rlalign_verl.tools.diagnose.pipeline import load_hf, recompute
+from rlalign_verl.tools.diagnose.pipeline import load_hf
 
 pytestmark = pytest.mark.engine
 
 REGIONS = ("rope", "swiglu", "rmsnorm", "attention", "moe")
-
-
-def _gaps(hf, run, **options) -> torch.Tensor:
-    apply_alignment(hf, regions=REGIONS, engine=run.header.profile, moe_variant="engine-op", **options)
-    try:
-        with single_thread():
-            lps = recompute(lambda ids: hf(input_ids=ids[None]).logits[0], run.rollouts, f"moe {options}")
-    finally:
-        remove_alignment(hf)
-    engine = torch.tensor([x for r in run.rollouts for x in r.response_logprobs])
-    return (torch.cat(lps) - engine).abs()
 
 
 def test_qwen3_moe_compiled_reaches_the_exact_zero_with_the_compiled_norms(engine_rollouts):
@@ -42,8 +29,8 @@ def test_qwen3_moe_compiled_reaches_the_exact_zero_with_the_compiled_norms(engin
     run = engine_rollouts("qwen3_moe", "compiled")
     assert run.header.mode == "compiled" and run.header.profile == "vllm-cpu"
     hf = load_hf(run.model_dir)
-    got = _gaps(hf, run, compiled_norm=True)
-    without = _gaps(hf, run)
+    got = engine_gaps(hf, run, REGIONS, moe_variant="engine-op", compiled_norm=True)
+    without = engine_gaps(hf, run, REGIONS, moe_variant="engine-op")
     print(f"\nqwen3_moe compiled TP=1: {int((got == 0).sum())}/{got.numel()} exact with the compiled norms, "
           f"{int((without == 0).sum())} without (mean {float(without.mean()):.4g})")  # fmt: skip
     assert int((got != 0).sum()) == 0, f"{int((got == 0).sum())}/{got.numel()} tokens exact"

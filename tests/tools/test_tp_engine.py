@@ -18,27 +18,13 @@ recomputes the log-probs with diagnose's helpers:
 from __future__ import annotations
 
 import pytest
-import torch
-from recompute_threads import single_thread
+from recompute_threads import engine_gaps as _gaps
 
-from rlalign_verl.align.patch import apply_alignment, remove_alignment
-from rlalign_verl.tools.diagnose.pipeline import load_hf, recompute
+from rlalign_verl.tools.diagnose.pipeline import load_hf
 
 pytestmark = pytest.mark.engine
 
 LADDER = ("rope", "swiglu", "rmsnorm", "attention")
-
-
-def _gaps(hf, run, regions, **options) -> torch.Tensor:
-    if regions:
-        apply_alignment(hf, regions=regions, engine=run.header.profile, rollout_tp=run.tp, **options)
-    try:
-        with single_thread():
-            lps = recompute(lambda ids: hf(input_ids=ids[None]).logits[0], run.rollouts, f"tp {regions}")
-    finally:
-        remove_alignment(hf)
-    engine = torch.tensor([x for r in run.rollouts for x in r.response_logprobs])
-    return (torch.cat(lps) - engine).abs()
 
 
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
