@@ -81,8 +81,7 @@ def test_tp2_moe_experts_split_like_the_engine_are_exactly_zero(engine_rollouts,
 
     import rlalign_verl.align.engine_ops.moe_op as moe_op
 
-    for where in (moe_math, moe_op):  # the emulation's slices (backward) and the op's (forward)
-        monkeypatch.setattr(where, "rank_experts", unsplit_ranks)
+    monkeypatch.setattr(moe_op, "rank_experts", unsplit_ranks)  # the op's rank weights (forward)
     unsplit = _gaps(hf, run, (*LADDER, "moe", "tp"), moe_variant="engine-op")
     print(
         f"\nqwen3_moe TP=2 eager: engine op {int((exact == 0).sum())}/{exact.numel()} exact, experts unsplit "

@@ -70,22 +70,32 @@ def _fp32_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _Fp32Gemm.apply(a, w)
 
 
+def _gate_up(x: torch.Tensor, w13: tuple[torch.Tensor, ...], gemm) -> torch.Tensor:
+    """``x`` times the gate rows then the up rows: one GEMM per part of ``w13``, outputs side by side. Each output
+    element is its own dot product over ``H``, so the parts' GEMMs give the elements one GEMM over their
+    concatenation gives (``tests/align/test_tp_moe.py`` compares them bit for bit)."""
+    if len(w13) == 1:
+        return gemm(x, w13[0])
+    return torch.cat([gemm(x, w) for w in w13], dim=-1)
+
+
 def _expert(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rounding: MoeRounding
+    x: torch.Tensor, w13: tuple[torch.Tensor, ...], down: torch.Tensor, rounding: MoeRounding
 ) -> torch.Tensor:
-    """One expert on its tokens: ``down(swiglu(gate_up(x)))``, fp32 or bf16 as ``expert_gemm`` says."""
+    """One expert on its tokens: ``down(swiglu(gate_up(x)))``, fp32 or bf16 as ``expert_gemm`` says. ``w13``: its
+    ``[2I, H]`` gate_up, or a rank's gate rows and up rows as two views (:func:`rank_views`)."""
     inter = down.shape[-1]
     if rounding.expert_gemm == "fp32":
         # fused expert kernel (vLLM cpu_fused_moe): bf16 products accumulated in fp32, the GEMM output is
         # never stored in bf16; only the SwiGLU output (the second GEMM's operand) is rounded
-        gu = _fp32_gemm(x, gate_up)
+        gu = _gate_up(x, w13, _fp32_gemm)
         g, u = gu[..., :inter], gu[..., inter:]
         a = F.silu(g)
         if rounding.expert_act_roundings == 2:
             a = rnd(a, x.dtype)
         a = store_as(a * u, rounding.store, x.dtype)  # the kernel's bf16 store: R, or T without AVX512-BF16
         return _fp32_gemm(a, down)  # the down GEMM's fp32 accumulator, not rounded here
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    g, u = _gate_up(x, w13, F.linear).chunk(2, dim=-1)
     a = swiglu(g, u, SwigluRounding(roundings=rounding.expert_act_roundings))
     if rounding.combine == "slot":
         return _fp32_gemm(a, down)  # the down GEMM's fp32 accumulator meets the weight
@@ -105,12 +115,11 @@ def mix_experts(
 
     ``gate_up``: ``[E, 2I, H]`` (gate rows first), ``down``: ``[E, H, I]``, as HF stores them. Experts run
     in ascending order, as HF's loop (the order of the bf16 running sum). ``rank=(r, tp)``: tensor-parallel rank
-    ``r``'s part, on its slice of every expert (:func:`rank_experts`).
+    ``r``'s part, on its slice of every expert (:func:`rank_views`: views, so backward keeps no weight copy).
     """
-    if rank is not None:
-        gate_up, down = rank_experts(gate_up, down, *rank)
+    w13, down = rank_views(gate_up, down, *rank) if rank is not None else ((gate_up,), down)
     if rounding.combine == "slot":
-        return _mix_by_slot(x, experts, weights, gate_up, down, rounding)
+        return _mix_by_slot(x, experts, weights, w13, down, rounding)
     dtype = x.dtype
     fp32_combine = rounding.combine == "fp32"
     with autocast_disabled(x):
@@ -118,7 +127,7 @@ def mix_experts(
         hit = torch.unique(experts).tolist()
         for e in hit:
             token, slot = torch.where(experts == e)
-            d = _expert(x[token], gate_up[e], down[e], rounding)
+            d = _expert(x[token], tuple(w[e] for w in w13), down[e], rounding)
             w = weights[token, slot, None]
             if fp32_combine:
                 # w * d in fp32, summed over the slots in fp32, one rounding at the end
@@ -133,7 +142,7 @@ def _mix_by_slot(
     x: torch.Tensor,
     experts: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor,
+    w13: tuple[torch.Tensor, ...],
     down: torch.Tensor,
     rounding: MoeRounding,
 ) -> torch.Tensor:
@@ -144,7 +153,7 @@ def _mix_by_slot(
         slots = torch.zeros((*experts.shape, x.shape[-1]), dtype=dtype, device=x.device)  # [T, k, H]
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)
-            d = _expert(x[token], gate_up[e], down[e], rounding)
+            d = _expert(x[token], tuple(w[e] for w in w13), down[e], rounding)
             # the fp32 accumulator times the fp32 routing weight, rounded once when stored
             slots = slots.index_put((token, slot), (d.float() * weights[token, slot, None].float()).to(dtype))
         if top_k > rounding.slot_sum_bf16_max_k:
@@ -173,14 +182,24 @@ def fused_gate_sum(
         return out.to(dtype)
 
 
+def rank_views(
+    gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Rank ``r``'s expert weights as views of ``gate_up`` and ``down`` (no copy): ``((gate [E, I/tp, H], up
+    [E, I/tp, H]), w2 [E, H, I/tp])``, the two halves of :func:`rank_experts`'s ``w13`` and its ``w2``."""
+    inter = down.shape[-1]
+    k = inter // tp
+    return (gate_up[:, r * k : (r + 1) * k], gate_up[:, inter + r * k : inter + (r + 1) * k]), down[
+        :, :, r * k : (r + 1) * k
+    ]
+
+
 def rank_experts(
     gate_up: torch.Tensor, down: torch.Tensor, r: int, tp: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``r``'s expert weights as vLLM's ``FusedMoE`` loader fills them (``_load_w13``/``_load_w2`` narrow by
     ``tp_rank``): ``w13 [E, 2I/tp, H]`` = its slice of the gate rows, then the same slice of the up rows of
-    ``gate_up [E, 2I, H]``; ``w2 [E, H, I/tp]`` = the same columns of ``down``."""
-    inter = down.shape[-1]
-    k = inter // tp
-    cols = slice(r * k, (r + 1) * k)
-    w13 = torch.cat((gate_up[:, cols], gate_up[:, inter + r * k : inter + (r + 1) * k]), dim=1)
-    return w13, down[:, :, cols]
+    ``gate_up [E, 2I, H]`` (a copy: the engine's op takes one packed tensor); ``w2 [E, H, I/tp]`` = the same
+    columns of ``down``."""
+    (gate, up), w2 = rank_views(gate_up, down, r, tp)
+    return torch.cat((gate, up), dim=1), w2

@@ -19,7 +19,7 @@ from torch import nn
 from rlalign_verl.align.forwards import mlp_hidden
 from rlalign_verl.align.moe_patch import effective_moe, expert_mix
 from rlalign_verl.align.regions._precision import store_as
-from rlalign_verl.align.regions.moe import fused_gate_sum
+from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts
 from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
 from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles import HF, MoeRounding
@@ -196,9 +196,45 @@ def expert_parts(
     tp: int,
 ) -> list[torch.Tensor]:
     """The ranks' routed-expert outputs (vLLM ``FusedMoE`` without expert parallel, rank order): rank ``r`` holds
-    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_experts`), runs the
-    experts and the combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16."""
-    return [mix(x, experts, weights, gate_up, down, rounding, rank=(r, tp)) for r in range(tp)]
+    every expert's intermediate columns ``r*I/tp .. (r+1)*I/tp`` (:func:`~.regions.moe.rank_views`), runs the
+    experts and the combine on them (``mix``: emulated or the engine's op) and stores its partial output in bf16.
+    Recomputed in backward (:class:`_ExpertPartsFn`)."""
+    return list(_ExpertPartsFn.apply(x, experts, weights, gate_up, down, rounding, mix, tp).unbind(0))
+
+
+class _ExpertPartsFn(torch.autograd.Function):
+    """The ranks' expert outputs, stacked ``[tp, T, H]``, recomputed in backward. Forward runs the ranks (``mix``:
+    emulated or the engine's op) without autograd and keeps only its inputs (``x``, the routing; the expert weights
+    are parameters). Backward reruns the emulated ranks (:func:`~.regions.moe.mix_experts`) one at a time with
+    autograd and sums their gradients in rank order: the activations of one rank (its H-wide ones as large as the
+    unsplit experts') exist at a time, during the block's backward only, instead of every rank's from forward on."""
+
+    @staticmethod
+    def forward(ctx, x, experts, weights, gate_up, down, rounding, mix, tp):  # type: ignore[override]
+        ctx.save_for_backward(x, experts, weights, gate_up, down)
+        ctx.rounding, ctx.tp = rounding, tp
+        with torch.no_grad():
+            return torch.stack(
+                [mix(x, experts, weights, gate_up, down, rounding, rank=(r, tp)) for r in range(tp)]
+            )
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        saved, needs = (
+            ctx.saved_tensors,
+            ctx.needs_input_grad[:5],
+        )  # unpacked once (checkpointing allows no more)
+        wanted = [i for i, n in enumerate(needs) if n]
+        total: dict[int, torch.Tensor] = {}
+        for r in range(ctx.tp):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(n) for t, n in zip(saved, needs, strict=True)]
+                y = mix_experts(*leaves, ctx.rounding, rank=(r, ctx.tp))
+                got = torch.autograd.grad(y, [leaves[i] for i in wanted], g[r]) if wanted else ()
+            for i, gr in zip(wanted, got, strict=True):
+                # .float(): the ranks' gradients summed in fp32 and rounded once (autograd would round per add)
+                total[i] = gr.float() if r == 0 else total[i] + gr.float()
+        return (*(total[i].to(saved[i].dtype) if i in total else None for i in range(5)), None, None, None)
 
 
 def rank_block_sum(block_sum: str, x: torch.Tensor, gate_weight: torch.Tensor, shared: torch.Tensor,
