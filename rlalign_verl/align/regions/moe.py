@@ -131,10 +131,10 @@ def mix_experts(
             w = weights[token, slot, None]
             if fp32_combine:
                 # w * d in fp32, summed over the slots in fp32, one rounding at the end
-                out = out.index_add(0, token, d.float() * w.float())
+                out.index_add_(0, token, d.float() * w.float())
             else:
                 # HF: the product rounded, then added into the bf16 output buffer (each add rounds)
-                out = out.index_add(0, token, (d.to(dtype) * w.to(dtype)).to(dtype))
+                out.index_add_(0, token, (d.to(dtype) * w.to(dtype)).to(dtype))
         return store_as(out, rounding.store, dtype) if fp32_combine else out
 
 
