@@ -32,6 +32,13 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+TINY_VARIANTS: dict[str, tuple[str, dict]] = {
+    # the tiny Qwen2-MoE with its shared expert's down projection at K=384: exact claims on CPU hold for K < 512
+    # (docs/results-cpu.md), and the shipped tiny one's K=512 at rollout TP 1 (256 per rank at TP 2)
+    "qwen2_moe_k384": ("qwen2_moe", {"shared_expert_intermediate": 384}),
+}
+"""Test-only shapes of the tiny architectures: name -> (architecture, changed ``TinySpec`` fields)."""
+
 ENGINE_COMBOS: tuple[tuple[str, str, int], ...] = (
     ("qwen2", "compiled", 1),
     ("qwen2", "eager", 1),
@@ -43,6 +50,7 @@ ENGINE_COMBOS: tuple[tuple[str, str, int], ...] = (
     ("qwen2_moe", "eager", 2),
     ("qwen2_moe", "compiled", 2),
     ("qwen3_moe", "compiled", 1),
+    ("qwen2_moe_k384", "compiled", 1),
 )
 """(arch, mode, tensor parallel) generated together on the first ``engine_rollouts`` request. Override with
 ``RLALIGN_ENGINE_COMBOS="qwen2:compiled,qwen3:eager:2"`` (or ``none`` to generate only what is asked)."""
@@ -67,8 +75,11 @@ class EngineRollouts:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """Factory: ``tiny_checkpoint(arch="qwen2") -> Path`` of a built tiny HF checkpoint."""
-    from rlalign_verl.tools.diagnose.tiny import build_tiny_checkpoint
+    """Factory: ``tiny_checkpoint(arch="qwen2") -> Path`` of a built tiny HF checkpoint (``arch``: a tiny
+    architecture of ``diagnose --tiny``, or a test variant of one in ``TINY_VARIANTS``)."""
+    import dataclasses
+
+    from rlalign_verl.tools.diagnose.tiny import SPECS, TINY_VERSION, build_tiny_checkpoint, tiny_cache_root
 
     fresh = os.environ.get("RLALIGN_TEST_FRESH_TINY") == "1"
     built: dict[str, Path] = {}
@@ -76,7 +87,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     def get(arch: str = "qwen2") -> Path:
         if arch not in built:
             path = tmp_path_factory.mktemp("tiny") / arch if fresh else None
-            built[arch] = build_tiny_checkpoint(arch, path)
+            if arch in TINY_VARIANTS:
+                base, fields = TINY_VARIANTS[arch]
+                path = path or tiny_cache_root() / f"{arch}-v{TINY_VERSION}"
+                built[arch] = build_tiny_checkpoint(
+                    base, path, spec=dataclasses.replace(SPECS[base], **fields)
+                )
+            else:
+                built[arch] = build_tiny_checkpoint(arch, path)
         return built[arch]
 
     return get

@@ -137,9 +137,10 @@ def norm_fns(st: AlignmentState) -> tuple[Callable, Callable]:
     engine's kernel shape for the compiled norms and is ignored by the eager ones.
     """
     if st.compiled_norm:
-        from rlalign_verl.align.regions.inductor_norm import inductor_norms
+        from rlalign_verl.align.regions.inductor_norm import inductor_norms, mlp_output_reads
 
-        return inductor_norms(st.profile, st.spec.rollout_tp)
+        tp = st.spec.rollout_tp
+        return inductor_norms(st.profile, tp, mlp_output_reads(get_family(st.model_type), tp))
 
     def add_norm(*args, index: int | None = None, **kwargs):
         return add_rms_norm(*args, **kwargs)

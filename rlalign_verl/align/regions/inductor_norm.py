@@ -22,6 +22,7 @@ import torch
 
 from rlalign_verl.align.regions._precision import autocast_disabled
 from rlalign_verl.align.regions.rmsnorm import norm_backward, normalize_rows, rsqrt_mean_sq
+from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles import EngineProfile, NormRounding
 
 
@@ -42,7 +43,7 @@ def _add_norm_store_math(h, residual, weight, eps: float, rounding: NormRounding
     return normalize_rows(s, rt, weight.float(), rounding, out_dtype), s
 
 
-def stores_sum(index: int, reads_threshold: int = 4, tp: int = 1) -> bool:
+def stores_sum(index: int, reads_threshold: int = 4, tp: int = 1, mlp_reads: int = 1) -> bool:
     """Whether the engine's whole-model graph stores the residual sum in the kernel of norm ``index``.
 
     Norms are counted along the residual stream (layer ``l``: input norm ``2l``, post-attention ``2l+1``).
@@ -52,15 +53,26 @@ def stores_sum(index: int, reads_threshold: int = 4, tp: int = 1) -> bool:
     stored at norms 3, 7, 11, ... (measured on the engine floor: tests/align/test_inductor_norm.py). At rollout
     tensor parallel ``tp`` > 1 the embedding is ``VocabParallelEmbedding``'s all-reduce output, one opaque
     buffer (1 read): stored at norms 4, 8, 12, ... (measured on the TP=2 engine: tests/tools/test_tp_engine.py).
+    ``mlp_reads``: the buffers an MLP's output adds (norms 2, 4, ...: 1, the down projection's or the expert op's
+    output; 3 where the engine forms Qwen2-MoE's ``sigmoid(gate) * shared + routed`` inside the norm's kernel, read
+    from its Inductor code at TP=1: stored at norms 2, 4, 6, ..., :func:`mlp_output_reads`).
     """
     reads = 2 if tp == 1 else 1  # gather (ids, table) at TP=1; the all-reduced partial lookups at TP>1
     for n in range(1, index + 1):
-        reads += 1
+        reads += 1 if n % 2 else mlp_reads  # odd norms add an attention output, even ones an MLP's
         if reads > reads_threshold:
             if n == index:
                 return True
             reads = 1
     return False
+
+
+def mlp_output_reads(family: ModelFamily, tp: int) -> int:
+    """How many buffers an MLP's output adds to the residual sum in the compiled engine's norm kernels: 3 for a
+    sparse block with a gated shared expert at TP 1 (vLLM CPU compiled stores the ``[T, 1]`` sigmoid and forms
+    ``sig * shared + routed`` inside the next norm's kernel: ``cpp_fused_..._rsqrt_sigmoid_...`` reads the sigmoid,
+    the shared expert's and the expert op's outputs), else 1 (at TP > 1 the block's all-reduce output)."""
+    return 3 if family.shared_expert and tp == 1 else 1
 
 
 def _norm_math(x, weight, eps: float, rounding: NormRounding, keep_fp32: bool):
@@ -200,9 +212,9 @@ class _InductorRmsNormFn(torch.autograd.Function):
         return dx, gw, None, None, None, None
 
 
-def inductor_norms(profile: EngineProfile, tp: int = 1) -> tuple[Callable, Callable]:
+def inductor_norms(profile: EngineProfile, tp: int = 1, mlp_reads: int = 1) -> tuple[Callable, Callable]:
     """``(rms_norm, add_rms_norm)`` with :mod:`.rmsnorm`'s signatures, forwards compiled as ``profile``'s engine
-    runs them at rollout tensor parallel ``tp``.
+    runs them at rollout tensor parallel ``tp`` (``mlp_reads``: :func:`mlp_output_reads`).
 
     Raises ``ValueError`` when the profile's engine path does not compile its norms with Inductor.
     """
@@ -227,7 +239,7 @@ def inductor_norms(profile: EngineProfile, tp: int = 1) -> tuple[Callable, Calla
         out_dtype=None,
         index=None,
     ):
-        store = index is not None and stores_sum(index, tp=tp)
+        store = index is not None and stores_sum(index, tp=tp, mlp_reads=mlp_reads)
         return _InductorAddRmsNormFn.apply(
             h, residual, weight, eps, rounding, round_residual, out_dtype, options, store
         )

@@ -192,7 +192,7 @@ def tiny_cache_root() -> Path:
 _MARKER = "rlalign_tiny.json"
 
 
-def _is_complete(path: Path, arch: str, seed: int) -> bool:
+def _is_complete(path: Path, spec: TinySpec, seed: int) -> bool:
     marker = path / _MARKER
     if not marker.is_file():
         return False
@@ -200,15 +200,19 @@ def _is_complete(path: Path, arch: str, seed: int) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return info.get("version") == TINY_VERSION and info.get("arch") == arch and info.get("seed") == seed
+    same = info.get("arch") == spec.arch and info.get("spec") == json.loads(json.dumps(asdict(spec)))
+    return info.get("version") == TINY_VERSION and same and info.get("seed") == seed
 
 
-def build_tiny_checkpoint(arch: str = "qwen2", path: str | Path | None = None, *, seed: int = 0) -> Path:
+def build_tiny_checkpoint(
+    arch: str = "qwen2", path: str | Path | None = None, *, seed: int = 0, spec: TinySpec | None = None
+) -> Path:
     """Build (or reuse) the tiny ``arch`` checkpoint and return its directory.
 
     ``path`` defaults to ``<cache>/<arch>-v<TINY_VERSION>`` (seed 0) or ``<arch>-s<seed>-v<N>``. An
     existing complete build there is reused. The build is written to a temporary sibling directory
-    and renamed into place, so an interrupted build never leaves a half-written checkpoint.
+    and renamed into place, so an interrupted build never leaves a half-written checkpoint. ``spec``: another
+    shape of ``arch`` (e.g. another width), built into ``path`` (required then).
     """
     if arch not in SPECS:
         from rlalign_verl.base.errors import UnsupportedModelError
@@ -216,19 +220,21 @@ def build_tiny_checkpoint(arch: str = "qwen2", path: str | Path | None = None, *
         raise UnsupportedModelError(
             f"no tiny model for architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}"
         )
-    spec = SPECS[arch]
+    if spec is not None and (spec.arch != arch or path is None):
+        raise ValueError(f"a spec of {spec.arch} needs arch={spec.arch!r} and its own path")
+    spec = spec or SPECS[arch]
     if path is None:
         name = f"{arch}-v{TINY_VERSION}" if seed == 0 else f"{arch}-s{seed}-v{TINY_VERSION}"
         path = tiny_cache_root() / name
     path = Path(path).expanduser().resolve()
-    if _is_complete(path, arch, seed):
+    if _is_complete(path, spec, seed):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         _write_checkpoint(tmp, spec, seed)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint
-        if _is_complete(path, arch, seed):  # another process (a parallel test lane) finished it meanwhile
+        if _is_complete(path, spec, seed):  # another process (a parallel test lane) finished it meanwhile
             return path
         if path.exists():
             # incomplete or stale build: replace it
@@ -236,7 +242,7 @@ def build_tiny_checkpoint(arch: str = "qwen2", path: str | Path | None = None, *
         try:
             os.replace(tmp, path)
         except OSError:
-            if _is_complete(path, arch, seed):  # another process won the race
+            if _is_complete(path, spec, seed):  # another process won the race
                 return path
             raise
     finally:
