@@ -220,10 +220,8 @@ class _ExpertPartsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        saved, needs = (
-            ctx.saved_tensors,
-            ctx.needs_input_grad[:5],
-        )  # unpacked once (checkpointing allows no more)
+        saved = ctx.saved_tensors  # unpacked once: under checkpointing a second unpack is an error
+        needs = ctx.needs_input_grad[:5]
         wanted = [i for i, n in enumerate(needs) if n]
         total: dict[int, torch.Tensor] = {}
         for r in range(ctx.tp):
