@@ -151,10 +151,20 @@ def test_nothing_outlives_a_forward(checkpointing: bool) -> None:
     assert all(r() is None for r in refs)
 
 
-@pytest.mark.parametrize("profile", ["vllm", "sglang", "hf"])
-def test_generation_with_kv_cache_matches_the_aligned_forward(profile: str) -> None:
+@pytest.mark.parametrize(
+    ("profile", "regions", "tp"),
+    [
+        ("vllm", "all", 1),
+        ("sglang", "all", 1),
+        ("hf", "all", 1),
+        ("vllm", "all,tp", 4),
+        ("vllm-cpu", "all,tp", 2),
+    ],
+)
+def test_generation_with_kv_cache_matches_the_aligned_forward(profile: str, regions: str, tp: int) -> None:
+    """The KV cache keeps working with every profile, and with the tp region's split projections."""
     model = build()
-    apply_alignment(model, regions="all", engine=profile)
+    apply_alignment(model, regions=regions, engine=profile, rollout_tp=tp)
     prompt = IDS[:1]
     with torch.no_grad():
         out = model.generate(

@@ -293,6 +293,19 @@ def test_a_split_qwen2_moe_trains_under_checkpointing_and_compiles() -> None:
         assert torch.equal(torch.compile(m, backend="eager")(ids).logits, m(ids).logits)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_a_split_moe_model_generates_with_the_kv_cache(kind: str) -> None:
+    """The KV cache keeps working with the experts (and Qwen2-MoE's shared expert) split by rank: greedy generation
+    with the cache gives the tokens generation without it gives."""
+    m = _moe_model(kind).eval()
+    apply_alignment(m, regions=["rope", "swiglu", "rmsnorm", "moe", "tp"], engine="vllm-cpu", rollout_tp=2)
+    prompt = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cached = m.generate(prompt, max_new_tokens=6, do_sample=False)
+        uncached = m.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.shape[1] == 13 and torch.equal(cached, uncached)
+
+
 @pytest.mark.parametrize("target", ["shared_expert.down_proj", "shared_expert_gate"])
 def test_an_adapter_on_the_shared_experts_reduced_layers_is_refused_before_binding(target: str) -> None:
     peft = pytest.importorskip("peft")
