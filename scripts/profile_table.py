@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlalign_verl.catalog.profile_table import render, replace_block
+from rlalign_verl.tools.profile_table import render, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "docs" / "engine-profiles.md",)

@@ -25,7 +25,6 @@ from rlalign_verl.catalog.profiles_moe import (
     STORES,
     MoeRounding,
 )
-from rlalign_verl.catalog.profiles_tp import SGLANG_CUSTOM_AR, VLLM_CPU_SHM, VLLM_CUDA_AR, TpReduction
 
 
 class Residual(str, Enum):
@@ -141,9 +140,6 @@ class EngineProfile:
     norm_inductor: tuple[tuple[str, object], ...] = ()
     """The Inductor options the engine compiles its norms with, as ``(key, value)`` pairs; empty: the path
     runs no Inductor-compiled norm the trainer can reproduce (``compiled_norm`` is then refused)."""
-    tp: TpReduction | None = None
-    """The all-reduce after the row-parallel projections at rollout TP>1 (the ``tp`` region); ``None``: the
-    path runs no tensor parallelism (``tp`` is then refused at TP>1)."""
     verified_on: tuple[VerifiedOn, ...] = ()
     """The (engine, versions, path, device) a recorded check ran this profile against; a run elsewhere is
     unverified and verifies itself at step 1 (:mod:`rlalign_verl.catalog.fingerprint`)."""
@@ -185,7 +181,6 @@ VLLM_CPU = EngineProfile(
     residual=Residual.NEVER,
     qk_norm_rounded_before_rope=False,
     moe=CPU_FUSED_MOE_COMPILED,
-    tp=VLLM_CPU_SHM,
     # vllm/platforms/cpu.py check_and_update_config: the whole-model compile's inductor_compile_config
     norm_inductor=(
         ("dce", True),
@@ -242,7 +237,6 @@ VLLM_CPU_EAGER = EngineProfile(
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
     moe=CPU_FUSED_MOE,
-    tp=VLLM_CPU_SHM,
     engine="vllm",
     device="cpu",
     verified_on=(
@@ -291,7 +285,6 @@ VLLM = EngineProfile(
     residual=Residual.AT_ATTENTION,
     qk_norm_rounded_before_rope=False,
     moe=CUDA_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
-    tp=VLLM_CUDA_AR,  # UNVERIFIED (read from source), see profiles_tp.py
     engine="vllm",
     device="cuda",
     verified=(
@@ -334,7 +327,6 @@ VLLM_EAGER = EngineProfile(
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
     moe=CUDA_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
-    tp=VLLM_CUDA_AR,  # UNVERIFIED (read from source), see profiles_tp.py
     engine="vllm",
     device="cuda",
     verified=(
@@ -376,7 +368,6 @@ SGLANG = EngineProfile(
     residual=Residual.EVERY_ADD,
     qk_norm_rounded_before_rope=True,
     moe=SGLANG_TRITON_MOE,  # UNVERIFIED (read from source): opt-in, see profiles_moe.py
-    tp=SGLANG_CUSTOM_AR,  # UNVERIFIED (read from source), see profiles_tp.py
     engine="sglang",
     device="cuda",
     verified=(

@@ -1,8 +1,10 @@
 """How each engine path reduces the row-parallel partial products under rollout tensor parallelism.
 
-The ``tp`` region's facts and rules in one place: the data (``EngineProfile.tp``, re-exported by :mod:`.profiles`),
-the host's all-reduce store, and the request rules the region registry runs (:func:`check_request`,
-:func:`check_model`, :func:`startup_lines`); its math is :mod:`rlalign_verl.align.regions.tp`. Notation as there: ``R(.)`` rounds fp32 to bf16;
+The ``tp`` region's facts and rules in one place: each engine's reduction (:func:`reduction`: the all-reduce is the
+engine's communicator on a device, the same on its compiled and eager paths, so it is keyed by a profile's
+``engine`` and ``device`` rather than held per path), the host's all-reduce store, and the request rules the region
+registry runs (:func:`check_request`, :func:`check_model`, :func:`startup_lines`); its math is
+:mod:`rlalign_verl.align.regions.tp`. Notation as there: ``R(.)`` rounds fp32 to bf16;
 ``p_r`` is rank ``r``'s partial GEMM output, already stored in bf16 by its GEMM (the bias on rank 0 only).
 At TP=2 there is one add: every order and both accumulations store the fp32 sum ``p0 + p1`` once (fp32
 addition commutes); ``accumulate`` and ``order`` matter from TP=3 on, ``store`` at every size. Facts read from source are cited with their file; ``verified_tp`` lists the sizes a recorded check
@@ -131,6 +133,19 @@ SGLANG_CUSTOM_AR = TpReduction(
 )
 """SGLang on GPUs: UNVERIFIED (read from source)."""
 
+ALL_REDUCE: dict[tuple[str, str], TpReduction] = {
+    ("vllm", "cpu"): VLLM_CPU_SHM,  # vllm-cpu, vllm-cpu-eager
+    ("vllm", "cuda"): VLLM_CUDA_AR,  # vllm, vllm-eager: UNVERIFIED (read from source)
+    ("sglang", "cuda"): SGLANG_CUSTOM_AR,  # UNVERIFIED (read from source)
+}
+"""Each engine's tensor-parallel reduction by ``(engine, device)``; absent (HF itself): no tensor parallelism."""
+
+
+def reduction(profile: Any) -> TpReduction | None:
+    """The all-reduce after the row-parallel projections of ``profile``'s engine at rollout TP > 1; ``None``: its
+    engine runs no tensor parallelism (``tp`` is then refused at TP > 1)."""
+    return ALL_REDUCE.get((profile.engine, profile.device))
+
 
 def vllm_cpu_allreduce_store() -> str:
     """How vLLM's CPU tensor-parallel all-reduce stores its fp32 sum in bf16 here: ``"nearest"`` or ``"truncate"``.
@@ -173,7 +188,7 @@ def unsplittable(config: Any, tp: int) -> str | None:
 def unmodelled_size(profile: Any, tp: int) -> str | None:
     """Why ``profile`` cannot mirror a rollout at tensor parallel ``tp`` (its engine path runs no tensor parallelism,
     or its data does not describe that size), in words; ``None`` when it can (TP 1 always can)."""
-    data: TpReduction | None = getattr(profile, "tp", None)
+    data = reduction(profile)
     if tp == 1:
         return None
     if data is None:
@@ -197,8 +212,8 @@ def check_request(profile: Any, spec: Any) -> None:
         )
     if tp == 1:
         return  # the region changes nothing at TP=1
-    data: TpReduction = profile.tp
-    if data.store == "vllm-cpu-allreduce":
+    data = reduction(profile)
+    if data is not None and data.store == "vllm-cpu-allreduce":
         vllm_cpu_allreduce_store()  # a host whose all-reduce rounding is not established is refused here
 
 
@@ -240,7 +255,7 @@ def rollout_tp_line(tp: int, regions: tuple[str, ...], regions_key: str = "align
 def tp_unmodelled_line(profile: Any, tp: int, regions: tuple[str, ...]) -> str | None:
     """The start-up line for ``tp`` on a profile whose reduction path at this size has a part it does not model
     (the fused all-reduce + RMSNorm of compiled vLLM / SGLang on sm90/sm100); ``None`` when nothing is left out."""
-    data = getattr(profile, "tp", None)
+    data = reduction(profile)
     if tp <= 1 or "tp" not in regions or data is None or not data.fused_norm:
         return None
     verified = "" if tp in data.verified_tp else f"; the tp data is UNVERIFIED at TP={tp} (read from source)"

@@ -5,9 +5,10 @@ A row says what the rest of the package needs to know about a region: whether ``
 modules whose forward it replaces (checked by ``get_alignment``), whether the step-1 verify ladder recomputes it
 alone, for a region that binds its own modules, the function that plans those bindings (``module:function``
 in :mod:`rlalign_verl.align`, loaded by the patcher), and the region's own request rules (``check``,
-``check_model``, ``startup``), which live with its profile field in :mod:`rlalign_verl.catalog`. Adding a region is
-its math in ``rlalign_verl/align/regions/``, one row here and its profile field (with its rules). Torch-free: the
-driver reads it.
+``check_model``, ``startup``), which live with its data in :mod:`rlalign_verl.catalog`. Adding a region is its math
+in ``rlalign_verl/align/regions/``, one row here and its data with its rules: a profile field where the engine's
+paths round differently, else a ``catalog/profiles_<name>.py`` keyed by the profile's engine and device (``tp``).
+Torch-free: the driver reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Region:
     in_all: bool
     """Part of ``all`` (and of the default request); the others are turned on by name only."""
     profile_field: str | None
-    """The ``EngineProfile`` field with the engine's rounding here (``None``: the region reads another fact)."""
+    """The ``EngineProfile`` field with the engine's rounding here (``None``: the region reads another fact: a request
+    setting, or the engine's own data, e.g. ``tp``'s all-reduce, :func:`rlalign_verl.catalog.profiles_tp.reduction`)."""
     wraps: tuple[str, ...] = ()
     """Family roles (:class:`~rlalign_verl.catalog.families.ModelFamily` fields) whose forward it replaces."""
     rung: bool = False
@@ -91,7 +93,7 @@ REGISTRY: tuple[Region, ...] = (
         "tp",
         "the rollout's tensor-parallel reduction in o_proj/down_proj",
         False,
-        "tp",
+        None,  # the engine's all-reduce, keyed by engine and device: profiles_tp.reduction(profile)
         rung=True,
         shows="rollout_tp",
         only_tp=True,

@@ -14,13 +14,14 @@ SUBCOMMANDS = {
 
 
 def _profiles(args: argparse.Namespace) -> int:
-    from rlalign_verl.catalog.profile_table import tp_cell
     from rlalign_verl.catalog.profiles import PROFILES
+    from rlalign_verl.catalog.profiles_tp import reduction
+    from rlalign_verl.tools.profile_table import tp_cell
 
     for p in PROFILES.values():
         print(f"{p.name:15s} {p.engine}/{p.device:4s}  {p.summary}")
         print(f"{'':15s} verified: {p.verified}")
-        print(f"{'':15s} rollout TP > 1 (the tp region): {tp_cell(p)}")
+        print(f"{'':15s} rollout TP > 1 (the tp region): {tp_cell(reduction(p))}")
     return 0
 
 

@@ -29,6 +29,7 @@ from rlalign_verl.align.patch import apply_alignment, get_alignment, remove_alig
 from rlalign_verl.align.regions.moe import mix_experts
 from rlalign_verl.align.regions.tp import split_experts
 from rlalign_verl.base.errors import AlignmentError, UnsupportedModelError
+from rlalign_verl.catalog import profiles_tp
 from rlalign_verl.catalog.profiles import get_profile
 from rlalign_verl.catalog.profiles_tp import TpReduction
 from rlalign_verl.request.checks import validate_request
@@ -75,7 +76,7 @@ def test_engine_op_experts_at_tp2_are_the_engine_ranks_bit_for_bit(profile: str,
     store = _host_allreduce_store()
     parts = [vllm_reference(x, *_rank_weights(gate_up, down, r, 2), w_eng, ids) for r in range(2)]
     want = _to_bf16(parts[0].float() + parts[1].float(), store)  # one fp32 add, one conversion
-    rounding, reduction = get_profile(profile).moe, get_profile(profile).tp
+    rounding, reduction = get_profile(profile).moe, profiles_tp.reduction(get_profile(profile))
     got = split_experts(x, ids.long(), weights, gate_up, down, rounding, mix=engine_experts, tp=2,
                         reduction=reduction, store=store)  # fmt: skip
     assert got.dtype == BF and torch.equal(got, want)

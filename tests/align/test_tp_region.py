@@ -24,7 +24,7 @@ from rlalign_verl.base.errors import (
     UnsupportedModelError,
 )
 from rlalign_verl.catalog.profiles import PROFILES, get_profile
-from rlalign_verl.catalog.profiles_tp import TpReduction, rollout_tp_line
+from rlalign_verl.catalog.profiles_tp import TpReduction, reduction, rollout_tp_line
 from rlalign_verl.measure.verify import ladder_rungs
 from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.tools.diagnose.ladder import plan
@@ -281,12 +281,20 @@ def test_rollout_tp_travels_in_the_request():
 
 def test_every_profile_that_rolls_out_with_tp_says_how_it_reduces():
     for p in PROFILES.values():
-        assert (p.tp is None) == (p.engine == "hf"), p.name
-        if p.tp is not None:
-            assert p.tp.sources and p.tp.beyond, p.name
-    cpu = get_profile("vllm-cpu").tp
+        assert (reduction(p) is None) == (p.engine == "hf"), p.name
+        if reduction(p) is not None:
+            assert reduction(p).sources and reduction(p).beyond, p.name
+    # one communicator per engine and device: an engine's compiled and eager paths reduce alike
+    assert reduction(get_profile("vllm-cpu")) is reduction(get_profile("vllm-cpu-eager"))
+    assert reduction(get_profile("vllm")) is reduction(get_profile("vllm-eager"))
+    assert reduction(get_profile("sglang")) is not reduction(get_profile("vllm"))
+    cpu = reduction(get_profile("vllm-cpu"))
     assert cpu.verified_tp == (2,) and cpu.store == "vllm-cpu-allreduce"
-    assert all(get_profile(n).tp.verified_tp == () for n in ("vllm", "vllm-eager", "sglang"))  # unverified
+    assert all(
+        reduction(get_profile(n)).verified_tp == () for n in ("vllm", "vllm-eager", "sglang")
+    )  # unverified
+    # a user's variant of a profile keeps its engine's reduction
+    assert reduction(get_profile("vllm-cpu").with_name("mine")) is cpu
 
 
 def test_the_compiled_graph_stores_the_stream_one_norm_later_at_tp_gt_1():
@@ -335,8 +343,8 @@ def test_the_gpu_profiles_reduce_as_their_custom_all_reduce(profile):
     to nearest; both run up to 8 ranks."""
     x, w, b = _inputs(20)
     ref = _sum_in_order(_partials(x, w, b, 4)).to(BF)
-    assert torch.equal(row_parallel_linear(x, w, b, 4, get_profile(profile).tp), ref)
-    assert get_profile(profile).tp.sizes == (2, 4, 6, 8)
+    assert torch.equal(row_parallel_linear(x, w, b, 4, reduction(get_profile(profile))), ref)
+    assert reduction(get_profile(profile)).sizes == (2, 4, 6, 8)
 
 
 def test_rlalign_verl_profiles_says_how_each_profile_reduces(capsys):

@@ -21,6 +21,7 @@ from rlalign_verl.align.moe_patch import effective_moe, expert_mix
 from rlalign_verl.align.regions._precision import store_as
 from rlalign_verl.align.regions.moe import fused_gate_sum, mix_experts
 from rlalign_verl.base.errors import ComputeDtypeError, UnsupportedModelError
+from rlalign_verl.catalog import profiles_tp
 from rlalign_verl.catalog.families import ModelFamily
 from rlalign_verl.catalog.profiles import HF, MoeRounding
 from rlalign_verl.catalog.profiles_tp import TpReduction
@@ -296,7 +297,7 @@ def plan(model: nn.Module, family: ModelFamily, st) -> list[tuple[nn.Module, Cal
     tp = st.spec.rollout_tp
     if tp == 1:
         return []
-    reduction = st.profile.tp
+    reduction = profiles_tp.reduction(st.profile)  # not None: the request check refuses an engine without one
     blocks = _shared_expert_blocks(model, family)
     deferred = {id(b.shared_expert.down_proj) for _, b in blocks}  # reduced with their block
     split = [(family.cls(role), attr) for role, attr in ROW_PARALLEL]

@@ -266,9 +266,11 @@ def floor(
             f"floor skipped: the rollouts come from {p.name} ({p.engine} on {p.device}); "
             "the floor needs that engine's ops on this machine"
         )
-    if s.tp > 1 and (p.tp is None or s.tp not in p.tp.sizes):
-        why = p.tp.beyond if p.tp else "no all-reduce data"
-        return None, f"floor skipped: profile {p.name} does not model tensor parallel {s.tp} ({why})"
+    from rlalign_verl.catalog.profiles_tp import unmodelled_size
+
+    why = unmodelled_size(p, s.tp)
+    if why:
+        return None, f"floor skipped: {why}"
     from rlalign_verl.tools.diagnose.engine_floor import EngineFloor
 
     compiled = not p.name.endswith("-eager")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlalign_verl.catalog import profile_table
 from rlalign_verl.catalog.profiles import PROFILES, NormRounding, Residual, Source
+from rlalign_verl.tools import profile_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,17 +56,19 @@ def test_replace_block_needs_markers():
 
 def test_the_tp_cell_follows_the_reduction_fields():
     from rlalign_verl.catalog.profiles import get_profile
-    from rlalign_verl.catalog.profiles_tp import TpReduction
+    from rlalign_verl.catalog.profiles_tp import TpReduction, reduction
 
-    cpu = get_profile("vllm-cpu")
-    assert profile_table.tp_cell(cpu).startswith("fp32 sum, one rounding (from each rank's own partial)")
-    assert "TP 2; verified at TP 2" in profile_table.tp_cell(cpu)
+    cpu = profile_table.tp_cell(reduction(get_profile("vllm-cpu")))
+    assert cpu.startswith("fp32 sum, one rounding (from each rank's own partial)")
+    assert "TP 2; verified at TP 2" in cpu
     hops = TpReduction(
         accumulate="bf16", order="rank", store="nearest", sizes=(2, 4, 6, 8), beyond="", fused_norm="x"
     )
-    cell = profile_table.tp_cell(cpu.with_name("x", tp=hops))
+    cell = profile_table.tp_cell(hops)
     assert (
         cell
         == "bf16, a rounding per add (ranks 0..N-1); TP 2, 4, 6, 8; fused all-reduce + norm not modelled; UNVERIFIED"
     )
-    assert profile_table.tp_cell(get_profile("hf")) == "no tensor parallelism"
+    assert profile_table.tp_cell(reduction(get_profile("hf"))) == "no tensor parallelism"
+    # the rendered vllm-cpu row reads the engine's reduction
+    assert "; TP 2; verified at TP 2 |" in profile_table.render()
