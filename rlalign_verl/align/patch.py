@@ -30,6 +30,7 @@ from rlalign_verl.align.forwards import (
 from rlalign_verl.align.guard import check_intact, check_model_arg
 from rlalign_verl.align.regions.residual_stream import Carry, carry_for
 from rlalign_verl.base.errors import ConfigFormatError, LigerConflictError, UnsupportedModelError
+from rlalign_verl.base.log import visible_logger
 from rlalign_verl.base.wrap_once import unwrap, wrap_once
 from rlalign_verl.catalog.families import FAMILIES, ModelFamily, get_family
 from rlalign_verl.catalog.placement import worker_device_type
@@ -39,6 +40,9 @@ from rlalign_verl.request.regions import plans, wrapped_roles
 from rlalign_verl.request.spec import AlignmentSpec
 
 logger = logging.getLogger("rlalign_verl")
+said = visible_logger(
+    "rlalign_verl.align"
+)  # choices made for the user (engine=auto): shown without logging set up
 
 # instance attribute: the AlignmentState on the aligned model (and its base model)
 _STATE_ATTR = "_rlalign_state"
@@ -224,7 +228,7 @@ def _spec_of(spec: AlignmentSpec | None, kwargs: dict) -> AlignmentSpec:
             raise ConfigFormatError(
                 f"apply_alignment got both a spec and keywords ({', '.join(sorted(kwargs))}); put them in the spec"
             )
-        return AlignmentSpec.parse(spec)
+        return AlignmentSpec.parse(spec, needs_regions=True)
     kwargs.setdefault("regions", ("rope", "swiglu", "rmsnorm"))
     kwargs.setdefault("engine", DEFAULT_PROFILE)
     return AlignmentSpec.parse(spelling="python", **kwargs)
@@ -255,6 +259,7 @@ def apply_alignment(
             _install_class_hooks(request, profile)
         return None
     if not request.regions:
+        validate_request(request, spelling="python")  # alignment off: a setting that would act is refused
         if _state(model) is not None:
             _unpatch_instance(model)
         return model
@@ -264,7 +269,7 @@ def apply_alignment(
     )  # auto follows the model's device
     profile = _check_and_patch(model, request, device, "python")
     if auto:
-        logger.info(
+        said.info(
             "rlalign: engine=auto chose profile %s for a model on %s (no rollout engine is known here; pass "
             "engine= to choose another)",
             profile.name,

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from rlalign_verl.base.errors import AlignmentError
 
@@ -81,7 +82,7 @@ class OutDir:
             if not stat.S_ISREG(st.st_mode):
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
                 raise AlignmentError(
-                    f"{self.flag} {self.path / name} is {kind}, where the report writes a file; "
+                    f"{self.flag} {self.path / name} is {kind}, where rlalign-verl writes a file; "
                     "remove it or pass another directory"
                 )
 
@@ -113,6 +114,7 @@ class OutDir:
 def open_out_dir(out: str | Path, flag: str = "--out") -> OutDir:
     """Create (if needed) and open the directory ``out``; one-line error if it is a link, a file, under a
     file, or not writable. Nothing outside ``out`` is created except its missing parents."""
+    _named(out, flag, "a directory path")
     path = Path(out)
     if path.is_symlink():
         raise AlignmentError(
@@ -151,15 +153,41 @@ def open_out_dir(out: str | Path, flag: str = "--out") -> OutDir:
     return out_dir
 
 
-def prepare_out_dir(out: str | Path, flag: str = "--out") -> Path:
+def prepare_out_dir(out: str | Path, flag: str = "--out", names: tuple[str, ...] = ()) -> Path:
     """:func:`open_out_dir`'s checks for a writer that takes paths: ``out`` exists afterwards, is a real,
-    writable directory and not a link; one-line error otherwise."""
-    open_out_dir(out, flag).close()
+    writable directory and not a link, and none of the files ``names`` it will write there is a link, a
+    directory or another non-regular file (:meth:`OutDir.check`); one-line error otherwise."""
+    with open_out_dir(out, flag) as out_dir:
+        out_dir.check(list(names))
     return Path(out)
+
+
+def _named(value: str | Path, flag: str, what: str) -> None:
+    """An empty path (an unset shell variable) is refused: it would mean the current directory."""
+    if not str(value).strip():
+        raise AlignmentError(f"{flag} is empty; pass {what}")
+
+
+def open_log(path: str | Path, flag: str = "--out") -> IO[str]:
+    """``path`` opened for writing text (created or truncated) without following a link at it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        why = (
+            "a symbolic link: rlalign-verl writes nothing through a link"
+            if Path(path).is_symlink()
+            else _reason(err)
+        )
+        raise AlignmentError(
+            f"{flag}: {path} cannot be written ({why}); remove it or pass another directory"
+        ) from None
+    return os.fdopen(fd, "w")
 
 
 def check_file_target(target: str | Path, flag: str) -> Path:
     """A file the run will write: not a directory, its parent creatable and writable."""
+    _named(target, flag, "a file path")
     path = Path(target)
     if path.is_dir():
         raise AlignmentError(f"{flag} {path} is a directory; pass a file path")

@@ -3,7 +3,8 @@
 With ``Δ = logp_train - logp_rollout`` per valid response token, :func:`signatures` returns
 ``mismatch/doctor/<name>``:
 
-- ``bias`` (+ ``bias_lo``/``bias_hi``, 95% bootstrap over sequences): mean signed Δ, nats per token;
+- ``bias`` (+ ``bias_lo``/``bias_hi``, 95% bootstrap over sequences; the interval only from
+  :data:`~rlalign_verl.measure.intervals.MIN_UNITS` sequences on): mean signed Δ, nats per token;
 - ``abs_mean``: mean |Δ|; ``bias_share``: ``|bias| / abs_mean`` (rounding: near 0; a one-sided offset: 1);
 - ``share_above_0p1`` / ``share_above_1``: share of tokens with |Δ| above 0.1 / 1 nat; ``exact_share``: Δ == 0;
 - ``pos_share``: share of Δ > 0 among nonzero Δ (rounding: about 0.5);
@@ -32,29 +33,42 @@ from typing import Any
 import torch
 
 from rlalign_verl.base.errors import MetricsInputError
-from rlalign_verl.measure.doctor_trend import GapTrend
-from rlalign_verl.measure.intervals import ratio_interval
-from rlalign_verl.measure.tensor_inputs import check_ids, check_log_probs, check_step
+from rlalign_verl.measure.doctor_trend import MIN_POINTS, PREFIX, GapTrend
+from rlalign_verl.measure.doctor_verdicts import (
+    BIAS_FLOOR,
+    BIAS_SHARE,
+    DUP_SHARE,
+    GROWTH_REL,
+    HEAVY_SHARE,
+    MIN_SEQS,
+    MIN_TOKENS,
+    ONE_SIDED_SHARE,
+    SCALE_CORR,
+    check_context,
+    diagnose_signature,
+    findings,
+    judge,
+    sig_values,
+)
+from rlalign_verl.measure.intervals import check_n_boot, check_seed, enough_units, ratio_interval
+from rlalign_verl.measure.tensor_inputs import (
+    check_ids,
+    check_int,
+    check_log_probs,
+    check_step,
+    check_str,
+)
 from rlalign_verl.measure.turns import round_findings, round_metrics, unexplained_mask
 
-__all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "GapTrend", "Doctor"]
+__all__ = ["PREFIX", "signatures", "findings", "diagnose_signature", "check_context", "GapTrend", "Doctor",
+           # the verdict thresholds (rlalign_verl.measure.doctor_verdicts), importable from here as before
+           "MIN_TOKENS", "MIN_SEQS", "BIAS_FLOOR", "BIAS_SHARE", "ONE_SIDED_SHARE", "SCALE_CORR", "HEAVY_SHARE",
+           "DUP_SHARE", "GROWTH_REL"]  # fmt: skip
 
-PREFIX = "mismatch/doctor/"
 N_BOOT = 1000
 LEVEL = 0.95
 CHUNK_ELEMENTS = 1 << 22
 """Tokens per chunk of rows: bounds the float64 temporaries (about 32 MiB each)."""
-
-# Verdict thresholds; docs/reading-a-mismatch.md says where each sits and why.
-MIN_TOKENS, MIN_SEQS = 100, 8
-BIAS_FLOOR = 1e-3
-"""nats/token: a smaller bias moves an importance weight by under 0.1% per token."""
-BIAS_SHARE, ONE_SIDED_SHARE = 0.5, 0.8
-SCALE_CORR = 0.3
-HEAVY_SHARE = 0.05
-DUP_SHARE = 0.5
-GROWTH_REL = 0.5
-
 
 WHERE = "doctor.signatures"
 
@@ -153,8 +167,12 @@ def signatures(
 
     ``uid`` (one GRPO group id per sequence, e.g. ``batch.non_tensor_batch['uid']``) and ``responses`` (the
     ``[B, T]`` token ids) add the duplicate rates. Raises :class:`MetricsInputError` on malformed inputs
-    (:func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`).
+    (:func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`), and on a ``seed`` that is not an int, an
+    ``n_boot`` under 100 (:func:`~rlalign_verl.measure.intervals.min_draws` at 95%) or a ``prefix`` that is not a str.
     """
+    seed = check_seed(WHERE, seed)
+    n_boot = check_n_boot(WHERE, n_boot, LEVEL, default=N_BOOT)
+    prefix = check_str(WHERE, "prefix", prefix, hint=f" (default {PREFIX!r})")
     logp = {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs}
     check_log_probs(WHERE, logp, "response_mask", response_mask)
     return _signatures(old_log_probs, rollout_log_probs, response_mask, uid, responses, seed, n_boot, prefix)
@@ -170,10 +188,8 @@ def _signatures(
     n_boot: int,
     prefix: str,
 ) -> dict[str, float]:
-    """:func:`signatures` on log-probs and a mask that passed :func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`."""
+    """:func:`signatures` on inputs that passed its checks (the tensors, ``seed``, ``n_boot`` and ``prefix``)."""
     _check_groups(uid, responses, tuple(old_log_probs.shape))
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
-        raise _fail(f"n_boot={n_boot!r}: give an int >= 100 (default {N_BOOT})")
     device = old_log_probs.device
     dtype = torch.float32 if device.type == "mps" else torch.float64
     train, rollout = old_log_probs.detach(), rollout_log_probs.detach().to(device)
@@ -189,13 +205,13 @@ def _signatures(
         return {prefix + k: float(v) for k, v in out.items()}
     sd = float(s_seq.sum())
     bias, abs_mean = sd / n_tok, sa / n_tok
-    lo, hi = (
-        ratio_interval(s_seq[keep], n_seq[keep], seed=seed, n_boot=n_boot, level=LEVEL)
-        if n_seqs > 1
-        else (bias, bias)
-    )
-    out.update(bias=bias, bias_lo=lo, bias_hi=hi, abs_mean=abs_mean, share_above_0p1=n01 / n_tok,
-               share_above_1=n1 / n_tok, exact_share=1.0 - nz / n_tok)  # fmt: skip
+    out["bias"] = bias
+    if enough_units(n_seqs):  # fewer sequences carry no interval: its keys are left out, nothing is separated
+        out["bias_lo"], out["bias_hi"] = ratio_interval(
+            s_seq[keep], n_seq[keep], seed=seed, n_boot=n_boot, level=LEVEL
+        )
+    out.update(abs_mean=abs_mean, share_above_0p1=n01 / n_tok, share_above_1=n1 / n_tok,
+               exact_share=1.0 - nz / n_tok)  # fmt: skip
     out["bias_share"] = abs(bias) / abs_mean if abs_mean > 0 else 0.0
     if nz > 0:
         out["pos_share"] = npos / nz
@@ -205,104 +221,6 @@ def _signatures(
     if responses is not None:
         out.update(_duplicates(uid, responses.detach().to(device), mask))
     return {prefix + k: float(v) for k, v in out.items() if math.isfinite(v)}
-
-
-def _get(sig: dict[str, float], name: str) -> float | None:
-    value = sig.get(PREFIX + name, sig.get(name))
-    return None if value is None or not math.isfinite(float(value)) else float(value)
-
-
-_LINES = {
-    "bias": "systematic bias {bias:+.3g} nats/token (95% [{bias_lo:+.3g}, {bias_hi:+.3g}], {bias_share:.0%} of mean "
-    "|Δ|) — not rounding{why}",
-    "two_sided": " (rounding is symmetric): the sides score different distributions; negative (its mean is -KL) fits "
-    "rollout weights lagging the trainer (async rollouts, a skipped weight sync: see mismatch/doctor/gap_growth), "
-    "positive a penalty or logit processor only the rollout applies",
-    "positive": ": the trainer gives nearly every sampled token more probability than the rollout reports, which "
-    "neither sampling noise nor a stale policy can do (their expected Δ is -KL <= 0): the rollout's log-probs include "
-    "what the trainer does not apply (a repetition/presence penalty, a logit bias or processor)",
-    "filters": ": matches sampling with top_p/top_k while the rollout reports processed log-probs, renormalised over "
-    "the kept tokens, so Δ = log(kept mass) <= 0 ({filters} in this run){fix}",
-    "negative": ": the rollout's log-probs exceed the trainer's on nearly every token: a truncated sampling "
-    "distribution (top_p/top_k/min_p) reported as processed log-probs{temp_too}{fix}",
-    "fix": "; fix: sample training rollouts with top_p=1, top_k=-1 (filters belong in rollout.val_kwargs), or "
-    "acknowledge the truncated behaviour policy",
-    "temperature": "one side is sharper: Δ moves with the token's log-prob (corr {corr_logprob:+.2f}, mean |Δ| "
-    "{abs_mean:.3g} nats) — not rounding (rounding leaves the spread of log-probs alone): matches a temperature "
-    "applied on one side only{temp_here}: the {sharp} side has the sharper distribution (the lower temperature), or "
-    "rollout weights lagging a sharpening policy; fix: one temperature on both sides (verl divides the trainer's "
-    "logits by actor_rollout_ref.rollout.temperature, so vLLM must report logprobs_mode=processed_logprobs)",
-    "tails": "heavy tails: {share_above_1:.1%} of tokens differ by more than 1 nat ({share_above_0p1:.1%} by more "
-    "than 0.1; mean |Δ| {abs_mean:.3g}) — not rounding (rounding moves a log-prob by ~1e-2 nats): the trainer scores "
-    "other tokens or another model than the rollout sampled with: a one-token shift or a wrong response_mask, a "
-    "re-tokenised multi-turn history{multi}, rollout weights not synced (stale, or load_format=dummy), or MoE "
-    "routing flips without routing replay",
-    "duplicates": "{dup_rate:.0%} of sequences are identical to another of their group{groups} — not numerics: a "
-    "fixed per-request sampling seed or greedy decoding (temperature=0, do_sample=False) repeats the group's samples; "
-    "give each sample its own seed (ignore this when answers are legitimately short and repeat)",
-    "growth": "the gap grows: mean |Δ| rises {gap_growth:+.3g} nats/token per step (95% [{gap_growth_lo:+.3g}, "
-    "{gap_growth_hi:+.3g}], {gap_growth_rel:+.0%} over the window) — rounding at a fixed model state does not grow: "
-    "rollout weights lag the trainer (async or partial rollouts, a failed or skipped weight sync); if the policy "
-    "sharpens fast, compare a step at learning rate 0",
-}
-
-
-def _context_words(context: dict[str, Any]) -> dict[str, str]:
-    """The run-specific fragments of the lines: active filters, a temperature other than 1, multi-turn."""
-    num = {k: v for k, v in context.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    top_p, top_k, temp = num.get("top_p", 1), num.get("top_k", -1), num.get("temperature", 1)
-    filters = ", ".join([f"top_p={top_p:g}"] * (top_p < 1) + [f"top_k={top_k:g}"] * (top_k > 0))
-    return {
-        "filters": filters,
-        "fix": _LINES["fix"],
-        "temp_too": f", or temperature={temp:g} applied on the rollout's side only" if temp != 1 else "",
-        "temp_here": f" (temperature={temp:g} in this run)" if temp != 1 else " (or a logit scale/soft-cap)",
-        "multi": " (multi-turn is on in this run)" if context.get("multi_turn") else "",
-    }
-
-
-def findings(sig: dict[str, float], context: dict[str, Any] | None = None) -> list[tuple[str, str]]:
-    """``(cause, line)`` per cause ``sig`` shows; cause is bias, temperature, tails, duplicates or growth."""
-    names = ("num_tokens", "num_seqs", "abs_mean", "bias", "bias_lo", "bias_hi", "bias_share", "corr_logprob",
-             "share_above_1", "share_above_0p1", "dup_rate", "gap_growth", "gap_growth_lo", "gap_growth_hi",
-             "gap_growth_rel")  # fmt: skip
-    v = {k: _get(sig, k) for k in names}
-    s = {k: 0.0 if x is None else x for k, x in v.items()}
-    words, out = _context_words(dict(context or {})), []
-    if s["num_tokens"] >= MIN_TOKENS and s["num_seqs"] >= MIN_SEQS and s["abs_mean"] > 0:
-        biased = (s["bias_lo"] > 0 or s["bias_hi"] < 0) and abs(s["bias"]) >= BIAS_FLOOR
-        biased = biased and s["bias_share"] >= BIAS_SHARE
-        one_sided = biased and s["bias_share"] >= ONE_SIDED_SHARE
-        scaled = not one_sided and abs(s["corr_logprob"]) >= SCALE_CORR and s["abs_mean"] >= BIAS_FLOOR
-        if one_sided or (biased and not scaled):
-            why = "positive" if s["bias"] > 0 else ("filters" if words["filters"] else "negative")
-            why = _LINES[why if one_sided else "two_sided"].format(**words)
-            out.append(("bias", _LINES["bias"].format(why=why, **s)))
-        elif scaled:
-            sharp = "trainer's" if s["corr_logprob"] > 0 else "rollout's"
-            out.append(("temperature", _LINES["temperature"].format(sharp=sharp, **words, **s)))
-        if s["share_above_1"] >= HEAVY_SHARE and not (one_sided or scaled):
-            out.append(
-                ("tails", _LINES["tails"].format(**words, **s))
-            )  # an offset/temperature explains its tails
-    if s["dup_rate"] >= DUP_SHARE:
-        g = _get(sig, "dup_groups")
-        groups = (
-            "" if g is None else f" ({g:.0%} of groups entirely identical: zero GRPO advantage, no gradient)"
-        )
-        out.append(("duplicates", _LINES["duplicates"].format(groups=groups, **s)))
-    if v["gap_growth_lo"] is not None and s["gap_growth_lo"] > 0 and s["gap_growth_rel"] >= GROWTH_REL:
-        out.append(("growth", _LINES["growth"].format(**s)))
-    return out
-
-
-def diagnose_signature(sig: dict[str, float], *, context: dict[str, Any] | None = None) -> list[str]:
-    """Plain-language lines, one per cause in ``sig`` that is not rounding; ``[]`` for a rounding signature.
-
-    ``context``: the run's sampling settings, e.g. ``{"top_p": 0.8, "top_k": -1, "temperature": 1.0,
-    "multi_turn": False}`` (``rlalign_verl.verl.doctor_config.doctor_context``), used to name the likely cause.
-    """
-    return [line for _, line in findings(sig, context)]
 
 
 _SHAPE_CAUSES = ("bias", "temperature", "tails")
@@ -315,11 +233,14 @@ class Doctor:
     def __init__(
         self, context: dict[str, Any] | None = None, *, window: int = 20, repeat_every: int = 50
     ) -> None:
-        self.context, self.trend, self.repeat_every = (
-            dict(context or {}),
-            GapTrend(window=window),
-            repeat_every,
-        )
+        """``context``: the run's sampling settings (:func:`check_context`); ``window``: steps of the gap trend
+        (an int >= :data:`~rlalign_verl.measure.doctor_trend.MIN_POINTS`); ``repeat_every``: an int >= 1."""
+        self.context = check_context("Doctor", context)
+        window = check_int("Doctor", "window", window, minimum=MIN_POINTS,
+                           hint=f": the gap trend fits its slope over at least {MIN_POINTS} steps (default 20)")  # fmt: skip
+        self.repeat_every = check_int("Doctor", "repeat_every", repeat_every, minimum=1,
+                                      hint=": steps before a cause is said again (default 50)")  # fmt: skip
+        self.trend = GapTrend(window=window)
         self.said: dict[str, int] = {}
 
     def step(
@@ -341,7 +262,7 @@ class Doctor:
         the rollout sampled, for ``mismatch/doctor/token_id_mismatch``. ``step``: an int (it seeds the bootstrap).
         Raises :class:`MetricsInputError` on malformed inputs (:mod:`rlalign_verl.measure.tensor_inputs`).
         """
-        step = check_step("Doctor.step", step)
+        step = check_seed("Doctor.step", check_step("Doctor.step", step), name="step")
         logp = {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs}
         check_log_probs("Doctor.step", logp, "response_mask", response_mask)  # once, for every part below
         sig = _signatures(
@@ -352,13 +273,13 @@ class Doctor:
         sig.update(round_metrics(old_log_probs, rollout_log_probs, response_mask, trainer_ids=trainer_ids,
                                  rollout_ids=rollout_ids, inputs_checked=True, where="Doctor.step"))  # fmt: skip
         by_round = round_findings(sig)
-        found = findings(sig, self.context)
+        found = judge(sig_values("Doctor.step", sig), self.context)
         if (
             by_round
         ):  # other ids or another history explain their tokens: the rest of the batch is judged alone
             rest = unexplained_mask(response_mask, [c for c, _ in by_round], trainer_ids, rollout_ids)
             alone = _signatures(old_log_probs, rollout_log_probs, rest, None, None, step, N_BOOT, PREFIX)
-            alone = findings(alone, self.context)
+            alone = judge(sig_values("Doctor.step", alone), self.context)
             found = [f for f in found if f[0] not in _SHAPE_CAUSES] + [
                 f for f in alone if f[0] in _SHAPE_CAUSES
             ]

@@ -7,10 +7,16 @@ failed weight sync) make the gap grow step by step. :class:`GapTrend` gives ``mi
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
-__all__ = ["GapTrend"]
+from rlalign_verl.measure.tensor_inputs import check_int, check_number, check_step, check_str, input_error
+
+__all__ = ["GapTrend", "MIN_POINTS"]
 
 PREFIX = "mismatch/doctor/"
+MIN_POINTS = 5
+"""Steps before a slope is fitted (the default ``min_points``); at least 3 leave the fit a degree of freedom."""
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
@@ -32,16 +38,25 @@ class GapTrend:
     the window's mean gap. A repeated step replaces its value; a step going back (a resumed run) starts afresh.
     """
 
-    def __init__(self, window: int = 20, min_points: int = 5, prefix: str = PREFIX) -> None:
-        if not (isinstance(window, int) and isinstance(min_points, int) and 3 <= min_points <= window):
-            raise ValueError(f"GapTrend needs ints 3 <= min_points <= window, got {min_points}, {window}")
-        self.window, self.min_points, self.prefix = window, min_points, prefix
+    def __init__(self, window: int = 20, min_points: int = MIN_POINTS, prefix: str = PREFIX) -> None:
+        where = "GapTrend"
+        min_points = check_int(where, "min_points", min_points, minimum=3,
+                               hint=f": a slope and its interval need 3 steps (default {MIN_POINTS})")  # fmt: skip
+        window = check_int(where, "window", window, hint=" (default 20)")
+        if window < min_points:
+            raise input_error(where, f"window={window} is below min_points={min_points}; give window >= "
+                              f"{min_points} or a smaller min_points")  # fmt: skip
+        self.window, self.min_points = window, min_points
+        self.prefix = check_str(where, "prefix", prefix, hint=f" (default {PREFIX!r})")
         self.points: list[tuple[float, float]] = []
 
-    def update(self, step: int, abs_mean: float) -> dict[str, float]:
-        """Add one step's mean |Δ|; the ``gap_growth*`` keys once ``min_points`` steps are in (else ``{}``)."""
-        if not math.isfinite(abs_mean):
+    def update(self, step: int, abs_mean: Any) -> dict[str, float]:
+        """Add one step's mean |Δ|; the ``gap_growth*`` keys once ``min_points`` steps are in (else ``{}``; a
+        NaN/inf gap is skipped)."""
+        step = check_step("GapTrend.update", step)
+        if isinstance(abs_mean, numbers.Real) and not math.isfinite(abs_mean):
             return {}
+        abs_mean = check_number("GapTrend.update", "abs_mean", abs_mean, low=0.0, hint=" (mean |Δ| in nats)")
         if self.points and step <= self.points[-1][0]:
             self.points = self.points[:-1] if step == self.points[-1][0] else []
         self.points = [*self.points, (float(step), float(abs_mean))][-self.window :]

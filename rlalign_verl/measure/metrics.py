@@ -36,7 +36,7 @@ from rlalign_verl.base.errors import MetricsInputError
 from rlalign_verl.measure.tensor_inputs import (
     MAX_LOG_PROB as MAX_LOG_PROB,  # re-exported: it lived here first
 )
-from rlalign_verl.measure.tensor_inputs import check_log_probs
+from rlalign_verl.measure.tensor_inputs import check_bool, check_log_probs, check_str, input_error
 
 __all__ = ["compute_mismatch_metrics", "sorted_quantiles", "METRIC_NAMES", "COUNT_NAMES"]
 
@@ -87,10 +87,19 @@ def _clip_eps(name: str, value: Any) -> float:
 def sorted_quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     """Quantiles of a 1-D tensor with linear interpolation (same as ``torch.quantile``'s default).
 
-    One sort, no size limit (``torch.quantile`` refuses inputs above 16M elements).
+    One sort, no size limit (``torch.quantile`` refuses inputs above 16M elements). ``qs``: numbers in [0, 1].
     """
-    if values.ndim != 1 or values.numel() == 0:
-        raise ValueError(f"sorted_quantiles needs a non-empty 1-D tensor, got shape {tuple(values.shape)}")
+    where = "sorted_quantiles"
+    if not isinstance(values, torch.Tensor) or values.ndim != 1 or values.numel() == 0:
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise input_error(where, f"values must be a non-empty 1-D tensor, got {got}; pass e.g. x.reshape(-1)")
+    if isinstance(qs, str | bytes) or not isinstance(qs, tuple | list) or not qs:
+        raise input_error(
+            where, f"qs is a {type(qs).__name__}; give a tuple of quantiles in [0, 1], e.g. (0.5,)"
+        )
+    for q in qs:
+        if isinstance(q, bool) or not isinstance(q, int | float) or not 0 <= q <= 1:
+            raise input_error(where, f"quantile {q!r:.40} is not a number in [0, 1]; give e.g. qs=(0.5, 0.9)")
     ordered = torch.sort(values).values
     # Positions in float64: float32 cannot address every index of a >16M-element tensor.
     pos = torch.tensor(qs, dtype=torch.float64, device=ordered.device) * (ordered.numel() - 1)
@@ -127,9 +136,11 @@ def compute_mismatch_metrics(
         With no valid token only ``num_tokens``, ``num_seqs`` and ``nonfinite_tokens`` are returned.
 
     Raises:
-        MetricsInputError: an input refused by :func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`, or a
-            clip ratio that is not a finite number >= 0.
+        MetricsInputError: an input refused by :func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`, a
+            clip ratio that is not a finite number >= 0, ``quantiles`` that is not a bool or ``prefix`` not a str.
     """
+    quantiles = check_bool("compute_mismatch_metrics", "quantiles", quantiles)
+    prefix = check_str("compute_mismatch_metrics", "prefix", prefix, hint=" (default 'mismatch/')")
     check_log_probs(
         "compute_mismatch_metrics",
         {"train_log_probs": train_log_probs, "rollout_log_probs": rollout_log_probs},

@@ -20,12 +20,18 @@ with a few of them keeps its numbers and a step with only them still logs the co
 would drop the whole step's metrics exactly when they matter, and say so only once (the in-run callers warn once
 per kind of problem). Masked-out positions (padding) may hold anything.
 
+The scalar arguments of the same functions (seeds, counts, windows, switches, key prefixes, settings
+mappings) go through :func:`check_int`, :func:`check_bool`, :func:`check_str`, :func:`check_number` and
+:func:`check_mapping`: the same error, one line naming the argument the caller passed and the fix. Nothing is
+coerced: ``"5"``, ``1.5``, ``True`` for a count, ``"false"`` for a switch and ``None`` for a prefix are refused.
+
 Cost: the structure checks read no data; the value checks are a few elementwise passes and reductions per tensor
 and one device-to-host transfer for all of them (no Python loop over tokens).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +49,12 @@ __all__ = [
     "check_log_probs",
     "check_ids",
     "check_step",
+    "check_int",
+    "check_bool",
+    "check_str",
+    "check_number",
+    "check_mapping",
+    "input_error",
 ]
 
 MAX_LOG_PROB = 1e-3
@@ -51,8 +63,12 @@ it at most a few ulp of 0 above 0, far below 1e-3, while a probability of a samp
 are far above: the tolerance keeps a rounded 0 from being refused and lets nothing else through."""
 
 
-def _fail(where: str, msg: str) -> MetricsInputError:
+def input_error(where: str, msg: str) -> MetricsInputError:
+    """The one error of this module: ``<where>: <msg>`` (raise it)."""
     return MetricsInputError(f"{where}: {msg}")
+
+
+_fail = input_error
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -168,7 +184,66 @@ def check_step(where: str, step: Any) -> int:
     """``step`` as an ``int`` when it is an integer (Python, numpy or 0-d torch), not a bool."""
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = step.item()
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise _fail(where, f"step={step!r:.40} is a {type(step).__name__}, not an int; pass the training step "
-                    "number (e.g. trainer.global_steps)")  # fmt: skip
-    return int(step)
+    return check_int(where, "step", step, fix="pass the training step number (e.g. trainer.global_steps)")
+
+
+def _kind(value: Any) -> str:
+    name = type(value).__name__
+    return f"{value!r:.40} is {'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
+
+def check_int(
+    where: str, name: str, value: Any, *, minimum: int | None = None, hint: str = "", fix: str = ""
+) -> int:
+    """``value`` as an ``int`` when it is an integer (Python or numpy; not a bool) >= ``minimum``.
+
+    The message's fix is ``fix`` or ``give an int >= minimum``, followed by ``hint`` (e.g. ``" (default 20)"``).
+    """
+    fix = (fix or "give an int" + ("" if minimum is None else f" >= {minimum}")) + hint
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(where, f"{name}={_kind(value)}, not an int; {fix}")
+    if minimum is not None and value < minimum:
+        raise _fail(where, f"{name}={int(value)} is below {minimum}; {fix}")
+    return int(value)
+
+
+def check_bool(where: str, name: str, value: Any, hint: str = "") -> bool:
+    """``value`` when it is a ``bool`` (or a numpy bool): ``"false"``, ``0`` and ``None`` are not switches."""
+    if type(value).__name__ == "bool_":  # numpy.bool_, without importing numpy
+        value = bool(value)
+    if not isinstance(value, bool):
+        raise _fail(where, f"{name}={_kind(value)}, not a bool; give {name}=True or {name}=False{hint}")
+    return value
+
+
+def check_str(where: str, name: str, value: Any, hint: str = "") -> str:
+    """``value`` when it is a ``str`` (a metric-key prefix, a name): ``None`` would spell ``"None..."`` keys."""
+    if not isinstance(value, str):
+        raise _fail(where, f"{name}={_kind(value)}, not a str; give a str{hint}")
+    return value
+
+
+def _span(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f" in [{low:g}, {high:g}]"
+    return f" >= {low:g}" if low is not None else (f" <= {high:g}" if high is not None else "")
+
+
+def check_number(
+    where: str, name: str, value: Any, *, low: float | None = None, high: float | None = None, hint: str = ""
+) -> float:
+    """``value`` as a finite ``float`` in ``[low, high]`` when it is a real number (not a bool, not a str)."""
+    fix = f"give a finite number{_span(low, high)}{hint}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(where, f"{name}={_kind(value)}, not a number; {fix}")
+    out = float(value)
+    if not math.isfinite(out) or (low is not None and out < low) or (high is not None and out > high):
+        raise _fail(where, f"{name}={out!r} is out of range; {fix}")
+    return out
+
+
+def check_mapping(where: str, name: str, value: Any, hint: str = "") -> Mapping:
+    """``value`` when it is a mapping (a dict, an OmegaConf ``DictConfig``)."""
+    if not isinstance(value, Mapping):
+        raise _fail(where, f"{name} is a {type(value).__name__}, not a mapping; give a dict{hint}")
+    return value

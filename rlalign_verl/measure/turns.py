@@ -23,14 +23,34 @@ rounding: ids that differ, or later rounds with heavy tails behind a first round
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from rlalign_verl.base.errors import MetricsInputError
 from rlalign_verl.measure.metrics import compute_mismatch_metrics
-from rlalign_verl.measure.tensor_inputs import check_ids, check_log_probs, check_mask
+from rlalign_verl.measure.tensor_inputs import (
+    check_bool,
+    check_ids,
+    check_int,
+    check_log_probs,
+    check_mapping,
+    check_mask,
+    check_str,
+    input_error,
+)
 
-__all__ = ["MAX_ROUNDS", "ROUND_KEYS", "round_index", "round_metrics", "round_findings", "unexplained_mask"]
+__all__ = [
+    "MAX_ROUNDS",
+    "ROUND_KEYS",
+    "CAUSES",
+    "check_max_rounds",
+    "round_index",
+    "round_metrics",
+    "round_findings",
+    "unexplained_mask",
+]
 
 MAX_ROUNDS = 8
 ROUND_KEYS: tuple[str, ...] = ("logp_abs_diff_mean", "logp_abs_diff_max", "kl_k1", "kl_k3", "ratio_clip_frac",
@@ -45,8 +65,17 @@ HEAVY_SHARE = 0.05
 """A later round with 5% or more (and 5 times the first round's share) does not."""
 
 
-def _fail(msg: str) -> MetricsInputError:
-    return MetricsInputError(f"rounds: {msg}")
+CAUSES = ("token_ids", "rounds")
+"""The causes :func:`round_findings` names (and :func:`unexplained_mask` takes)."""
+
+
+def check_max_rounds(where: str, max_rounds: Any, *, allow_none: bool = False) -> int | None:
+    """The one rule for ``max_rounds``: an int >= 2 (the last round holds every later one, so 1 would merge all
+    rounds into one and 0 or less would label no round); ``None`` (no cap) only where ``allow_none``."""
+    if max_rounds is None and allow_none:
+        return None
+    hint = f" (default {MAX_ROUNDS}" + ("; None: no cap)" if allow_none else ")")
+    return check_int(where, "max_rounds", max_rounds, minimum=2, hint=hint)
 
 
 def _round_index(on: torch.Tensor, max_rounds: int | None) -> torch.Tensor:
@@ -60,8 +89,9 @@ def _round_index(on: torch.Tensor, max_rounds: int | None) -> torch.Tensor:
 def round_index(response_mask: torch.Tensor, max_rounds: int | None = MAX_ROUNDS) -> torch.Tensor:
     """``[B, T]`` int64: ``k`` on the ``k``-th run of 1s of the 0/1 (or bool) mask in its row, 0 off the mask.
 
-    Rounds after ``max_rounds`` count as ``max_rounds`` (``None``: no cap).
+    Rounds after ``max_rounds`` (an int >= 2, :func:`check_max_rounds`) count as ``max_rounds`` (``None``: no cap).
     """
+    max_rounds = check_max_rounds("rounds.round_index", max_rounds, allow_none=True)
     check_mask("rounds.round_index", "response_mask", response_mask)
     return _round_index(response_mask != 0, max_rounds)
 
@@ -87,13 +117,15 @@ def round_metrics(
     log-probs and the mask already passed that check (:meth:`~rlalign_verl.measure.doctor.Doctor.step` checks its inputs
     once for the signature and the rounds); the ids are checked here either way.
     """
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 2:
-        raise _fail(f"max_rounds={max_rounds!r}: give an int >= 2 (default {MAX_ROUNDS})")
-    if not inputs_checked:
+    where = check_str("rounds.round_metrics", "where", where, hint=" (the caller's name for the messages)")
+    max_rounds = check_max_rounds(where, max_rounds)
+    prefix = check_str(where, "prefix", prefix, hint=" (default 'mismatch/')")
+    if not check_bool(where, "inputs_checked", inputs_checked):
         check_log_probs(where, {"train": train, "rollout": rollout}, "mask", mask)
     if (trainer_ids is None) != (rollout_ids is None):
-        raise MetricsInputError(f"{where}: give trainer_ids and rollout_ids together (the identity check compares "
-                                "them), or neither")  # fmt: skip
+        raise input_error(
+            where, "give trainer_ids and rollout_ids together (the identity check compares them), or neither"
+        )
     index = _round_index(mask.detach() != 0, None)
     shape = tuple(index.shape)
     same = None
@@ -138,10 +170,21 @@ def _rounds_text(rounds: list[int]) -> str:
 
 
 def round_findings(metrics: dict[str, float], prefix: str = "mismatch/") -> list[tuple[str, str]]:
-    """``(cause, line)`` for what :func:`round_metrics`' keys show that is not rounding: ``token_ids``, ``rounds``."""
+    """``(cause, line)`` for what :func:`round_metrics`' keys show that is not rounding: ``token_ids``, ``rounds``.
+
+    Raises :class:`~rlalign_verl.base.errors.MetricsInputError` on ``metrics`` that is not a mapping, a value it
+    reads that is not a number, or a ``prefix`` that is not a str."""
+    where = "rounds.round_findings"
+    check_mapping(where, "metrics", metrics, hint=" of metric keys, as round_metrics() returns")
+    prefix = check_str(where, "prefix", prefix, hint=" (default 'mismatch/')")
 
     def get(key: str) -> float | None:
         value = metrics.get(prefix + key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            value = value.item()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise input_error(where, f"metrics[{prefix + key!r}]={value!r:.40} is a {type(value).__name__}, not a "
+                              "number; pass the dict round_metrics() returns (numbers)")  # fmt: skip
         return None if value is None or not math.isfinite(float(value)) else float(value)
 
     out: list[tuple[str, str]] = []
@@ -172,7 +215,7 @@ def round_findings(metrics: dict[str, float], prefix: str = "mismatch/") -> list
 
 def unexplained_mask(
     mask: torch.Tensor,
-    causes: list[str],
+    causes: Sequence[str],
     trainer_ids: torch.Tensor | None = None,
     rollout_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -181,9 +224,23 @@ def unexplained_mask(
     ``rounds`` explains every round after the first. ``token_ids`` explains a row from its first differing id on
     (every later token is scored in another context) and every round after the first (the ids of the turns between
     rounds are not compared, so their history may differ unseen). What is left is judged on its own: a top-p bias in
-    round 1 is still named when round 2 was re-tokenised.
+    round 1 is still named when round 2 was re-tokenised. ``causes``: a list of :data:`CAUSES` names; the ids: both
+    or neither, ``[B, T]`` like the mask.
     """
-    keep = check_mask("rounds.unexplained_mask", "mask", mask) != 0
+    where = "rounds.unexplained_mask"
+    keep = check_mask(where, "mask", mask) != 0
+    if isinstance(causes, str | bytes) or not isinstance(causes, Sequence):
+        raise input_error(where, f"causes is a {type(causes).__name__}; give a list of cause names, e.g. "
+                          "['rounds'] (the causes of round_findings)")  # fmt: skip
+    unknown = [c for c in causes if c not in CAUSES]
+    if unknown:
+        raise input_error(where, f"unknown cause(s) {unknown!r:.60}; give names among {list(CAUSES)}")
+    if (trainer_ids is None) != (rollout_ids is None):
+        raise input_error(where, "give trainer_ids and rollout_ids together (the first differing id is where a row "
+                          "stops being explained), or neither")  # fmt: skip
+    if trainer_ids is not None:
+        check_ids(where, "trainer_ids", trainer_ids, tuple(mask.shape))
+        check_ids(where, "rollout_ids", rollout_ids, tuple(mask.shape))
     if "rounds" in causes or "token_ids" in causes:
         keep &= _round_index(keep, None) == 1
     if "token_ids" in causes and trainer_ids is not None and rollout_ids is not None:

@@ -12,26 +12,44 @@ sequences (tokens of one response are not independent):
 - ``verdict``: +1 better, 0 within noise, -1 worse — decided on the :data:`DECISION_LEVEL` interval of the
   paired difference, not the 95% one, so that a verdict that stops a run is not a 1-in-40 accident;
 - ``num_seqs`` / ``num_tokens``: the sample.
+
+Fewer than :data:`~rlalign_verl.measure.intervals.MIN_UNITS` sequences with a valid token carry no interval (the
+doctor's rule, :mod:`rlalign_verl.measure.intervals`): the intervals are ``None`` (their keys left out), the verdict
+is 0 and the line says the sample is too small, so one sequence can never stop a run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from rlalign_verl.base.errors import AlignmentError, MetricsInputError
-from rlalign_verl.measure.intervals import percentile_interval, resampled_sums
-from rlalign_verl.measure.tensor_inputs import check_log_probs
+from rlalign_verl.base.errors import AlignmentError
+from rlalign_verl.measure.intervals import (
+    MIN_UNITS,
+    check_n_boot,
+    check_seed,
+    enough_units,
+    percentile_interval,
+    resampled_sums,
+)
+from rlalign_verl.measure.tensor_inputs import (
+    check_log_probs,
+    check_mapping,
+    check_step,
+    check_str,
+    input_error,
+)
 from rlalign_verl.request.regions import ladder_rungs as rungs_of
 
 PREFIX = "mismatch/verify/"
-N_BOOT = 4000
 REPORT_LEVEL = 0.95
 DECISION_LEVEL = 0.999
 """Two-sided level of the interval a verdict is decided on."""
+N_BOOT = 5000
+"""Draws: the fewest a :data:`DECISION_LEVEL` interval can be read from
+(:func:`~rlalign_verl.measure.intervals.min_draws`)."""
 GAIN_CAP = 1e6
 """``gain`` when the aligned gap is exactly 0 and the unaligned one is not."""
 VERDICT_WORDS = {1: "better", 0: "within noise", -1: "WORSE"}
@@ -50,47 +68,61 @@ class VerifyResult:
     aligned_exact: float
     unaligned_exact: float
     paired_diff: float
-    paired_diff_ci: tuple[float, float]
-    decision_ci: tuple[float, float]
+    paired_diff_ci: tuple[float, float] | None
+    """``None`` (as ``decision_ci`` and ``gain_ci``): fewer sequences than an interval needs."""
+    decision_ci: tuple[float, float] | None
     gain: float
-    gain_ci: tuple[float, float]
+    gain_ci: tuple[float, float] | None
     verdict: int
     num_seqs: int
     num_tokens: int
 
     def metrics(self) -> dict[str, float]:
-        """The ``mismatch/verify/*`` keys, finite floats."""
+        """The ``mismatch/verify/*`` keys, finite floats (no ``_lo``/``_hi`` without an interval)."""
+        no = (math.nan, math.nan)
         out = {
             "aligned": self.aligned,
             "unaligned": self.unaligned,
             "aligned_exact": self.aligned_exact,
             "unaligned_exact": self.unaligned_exact,
             "paired_diff": self.paired_diff,
-            "paired_diff_lo": self.paired_diff_ci[0],
-            "paired_diff_hi": self.paired_diff_ci[1],
+            "paired_diff_lo": (self.paired_diff_ci or no)[0],
+            "paired_diff_hi": (self.paired_diff_ci or no)[1],
             "gain": self.gain,
-            "gain_lo": self.gain_ci[0],
-            "gain_hi": self.gain_ci[1],
+            "gain_lo": (self.gain_ci or no)[0],
+            "gain_hi": (self.gain_ci or no)[1],
             "verdict": float(self.verdict),
             "num_seqs": float(self.num_seqs),
             "num_tokens": float(self.num_tokens),
         }
-        return {PREFIX + k: float(v) for k, v in out.items()}
+        return finite({PREFIX + k: float(v) for k, v in out.items()})
 
     def line(self, step: int, profile: str) -> str:
         """One readable log line."""
-        lo, hi = self.gain_ci
+        step, profile = (
+            check_step("VerifyResult.line", step),
+            check_str("VerifyResult.line", "profile", profile),
+        )
         what = {
             1: f"profile {profile} brings the trainer closer to this engine",
             0: "no difference outside the noise (the engine may already round like the trainer, or these regions "
             "do not matter for this model)",
             -1: f"profile {profile} moves the trainer AWAY from this engine",
         }[self.verdict]
+        if self.gain_ci is None:
+            bracket, rule = (
+                "with no interval",
+                f"too few sequences to separate: a verdict needs >= {MIN_UNITS}",
+            )
+            what = f"{self.num_seqs} sequence(s) cannot tell alignment from noise; verify more sequences"
+        else:
+            lo, hi = self.gain_ci
+            bracket = f"[{_fmt_gain(lo)}, {_fmt_gain(hi)}]"
+            rule = f"verdicts use the {DECISION_LEVEL:.1%} interval, the bracket is 95%"
         return (
             f"verify step {step}: mean |Δlogp| aligned {self.aligned:.4g} vs unaligned {self.unaligned:.4g} nats/token, "
-            f"gain {_fmt_gain(self.gain)}x [{_fmt_gain(lo)}, {_fmt_gain(hi)}] ({self.num_seqs} seqs, {self.num_tokens} "
-            f"tokens; exact {self.aligned_exact:.1%} vs {self.unaligned_exact:.1%}): {VERDICT_WORDS[self.verdict]} "
-            f"(verdicts use the {DECISION_LEVEL:.1%} interval, the bracket is 95%) — {what}"
+            f"gain {_fmt_gain(self.gain)}x {bracket} ({self.num_seqs} seqs, {self.num_tokens} tokens; exact "
+            f"{self.aligned_exact:.1%} vs {self.unaligned_exact:.1%}): {VERDICT_WORDS[self.verdict]} ({rule}) — {what}"
         )
 
 
@@ -115,12 +147,18 @@ def compare(
 ) -> VerifyResult:
     """Paired comparison of two ``[B, T]`` trainer log-prob passes with the rollout's, over ``mask`` tokens.
 
-    Tokens where any of the three is not finite are left out. Raises :class:`~rlalign_verl.base.errors.MetricsInputError`
-    (a ``ValueError``) on malformed inputs (:func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`) and when no valid
-    token is left.
+    Tokens where any of the three is not finite are left out; with fewer than
+    :data:`~rlalign_verl.measure.intervals.MIN_UNITS` sequences left there is no interval and the verdict is 0.
+    ``seed``: an int; ``n_boot``: an int of at least ``min_draws(DECISION_LEVEL)`` (5000, the default). Raises
+    :class:`~rlalign_verl.base.errors.MetricsInputError` (a ``ValueError``) on malformed inputs
+    (:func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`), a bad ``seed``/``n_boot`` and when no valid token
+    is left.
     """
+    where = "verify.compare"
+    seed = check_seed(where, seed)
+    n_boot = check_n_boot(where, n_boot, DECISION_LEVEL, default=N_BOOT)
     logp = {"aligned": aligned, "unaligned": unaligned, "rollout": rollout}
-    check_log_probs("verify.compare", logp, "mask", mask)
+    check_log_probs(where, logp, "mask", mask)
     a, u, r = (t.detach().to("cpu", torch.float64) for t in (aligned, unaligned, rollout))
     valid = (mask.detach().to("cpu") > 0) & torch.isfinite(a) & torch.isfinite(u) & torch.isfinite(r)
     d_a = torch.where(valid, (a - r).abs(), 0.0)
@@ -128,31 +166,36 @@ def compare(
     counts = valid.sum(1).double()
     keep = counts > 0
     if not bool(keep.any()):
-        raise MetricsInputError(
-            "verify.compare: no valid response token (mask empty or every log-prob non-finite); "
-            "pass the step's response_mask and log-probs of at least one response token"
+        raise input_error(
+            where,
+            "no valid response token (mask empty or every log-prob non-finite); "
+            "pass the step's response_mask and log-probs of at least one response token",
         )
     s_a, s_u, n = d_a.sum(1)[keep], d_u.sum(1)[keep], counts[keep]
     tokens = n.sum()
     exact_a = ((d_a == 0) & valid).sum() / tokens
     exact_u = ((d_u == 0) & valid).sum() / tokens
 
-    su_b, sa_b, nb = resampled_sums(torch.stack([s_u, s_a, n]), seed=seed, n_boot=n_boot)
-    diff_b = (su_b - sa_b) / nb
-    gain_b = _ratio(su_b, sa_b)
     diff = float((s_u.sum() - s_a.sum()) / tokens)
-    decision = percentile_interval(diff_b, DECISION_LEVEL)
-    verdict = 1 if decision[0] > 0 else (-1 if decision[1] < 0 else 0)
+    diff_ci = decision = gain_ci = None
+    verdict = 0
+    if enough_units(int(n.numel())):
+        su_b, sa_b, nb = resampled_sums(torch.stack([s_u, s_a, n]), seed=seed, n_boot=n_boot)
+        diff_b = (su_b - sa_b) / nb
+        diff_ci = percentile_interval(diff_b, REPORT_LEVEL)
+        gain_ci = percentile_interval(_ratio(su_b, sa_b), REPORT_LEVEL)
+        decision = percentile_interval(diff_b, DECISION_LEVEL)
+        verdict = 1 if decision[0] > 0 else (-1 if decision[1] < 0 else 0)
     return VerifyResult(
         aligned=float(s_a.sum() / tokens),
         unaligned=float(s_u.sum() / tokens),
         aligned_exact=float(exact_a),
         unaligned_exact=float(exact_u),
         paired_diff=diff,
-        paired_diff_ci=percentile_interval(diff_b, REPORT_LEVEL),
+        paired_diff_ci=diff_ci,
         decision_ci=decision,
         gain=float(_ratio(s_u.sum(), s_a.sum())),
-        gain_ci=percentile_interval(gain_b, REPORT_LEVEL),
+        gain_ci=gain_ci,
         verdict=verdict,
         num_seqs=int(n.numel()),
         num_tokens=int(tokens),
@@ -168,12 +211,12 @@ def ladder_metrics(
     :class:`~rlalign_verl.base.errors.MetricsInputError` on malformed inputs
     (:func:`~rlalign_verl.measure.tensor_inputs.check_log_probs`).
     """
-    if not isinstance(passes, Mapping):
-        raise MetricsInputError(
-            f"verify.ladder_metrics: passes is a {type(passes).__name__}; pass a dict rung -> [B, T] log-probs"
-        )
+    where = "verify.ladder_metrics"
+    check_mapping(where, "passes", passes, hint=" rung -> [B, T] log-probs")
+    for rung in passes:
+        check_str(where, "a rung name of passes", rung, hint=" (a metric key: 'none', 'rope', 'all', ...)")
     logp = {**{f"passes[{rung!r}]": lp for rung, lp in passes.items()}, "rollout": rollout}
-    check_log_probs("verify.ladder_metrics", logp, "mask", mask)
+    check_log_probs(where, logp, "mask", mask)
     valid = (mask > 0) & torch.isfinite(rollout)
     out = {}
     for rung, lp in passes.items():

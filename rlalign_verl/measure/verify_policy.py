@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from rlalign_verl.base.options import key_name, key_setting
 from rlalign_verl.catalog.fingerprint import EngineFingerprint
+from rlalign_verl.measure.intervals import MIN_UNITS
+from rlalign_verl.measure.tensor_inputs import check_bool, check_step, check_str
 from rlalign_verl.measure.verify import VerifyFailedError, VerifyResult, finite
 from rlalign_verl.request.spec import AlignmentSpec
 
@@ -25,6 +27,7 @@ class Schedule:
     every: int
 
     def due(self, step: int) -> bool:
+        step = check_step("Schedule.due", step)
         if not self.first:
             return False
         return step == 1 or (self.every > 0 and step > 1 and (step - 1) % self.every == 0)
@@ -33,6 +36,7 @@ class Schedule:
 def schedule(spec, unverified_engine: bool) -> Schedule:
     """The verify steps for ``spec`` (an AlignmentSpec): none without regions; step 1 at least on an unverified
     engine unless ``verify.skip_unverified_engine``; step 1 and every ``verify.every`` when ``verify.enable``."""
+    unverified_engine = check_bool("verify_policy.schedule", "unverified_engine", unverified_engine)
     v = spec.verify
     if not spec.regions:
         return Schedule(False, 0)
@@ -45,7 +49,12 @@ def schedule(spec, unverified_engine: bool) -> Schedule:
 def act_on(result: VerifyResult, *, first: bool, spec, fingerprint: str) -> str | None:
     """What a verdict does: raise :class:`VerifyFailedError` (stop) or return a warning line (``None``: fine).
     Keys are named as the surface that runs the check spells them (:func:`~rlalign_verl.base.options.spelled_as`)."""
-    if result.verdict >= 0:
+    first = check_bool("verify_policy.act_on", "first", first)
+    fingerprint = check_str(
+        "verify_policy.act_on", "fingerprint", fingerprint, hint=" (the engine, described)"
+    )
+    no_interval = result.decision_ci is None or result.gain_ci is None  # too few sequences: nothing to act on
+    if result.verdict >= 0 or no_interval:
         return None
     policy = spec.verify.on_worse if first else spec.verify.on_worse_later
     key = "verify." + ("on_worse" if first else "on_worse_later")
@@ -63,6 +72,13 @@ def act_on(result: VerifyResult, *, first: bool, spec, fingerprint: str) -> str 
 
 
 def within_noise_line(result: VerifyResult) -> str:
+    """The once-per-run line of a verdict 0: too few sequences, or an interval around 0."""
+    if result.paired_diff_ci is None:
+        return (
+            f"verify: {result.num_seqs} sequence(s) with response tokens are too few to separate aligned from "
+            f"unaligned (a verdict needs >= {MIN_UNITS}); the verdict stays 'within noise' until a verify step has "
+            "that many"
+        )
     return (
         f"verify: aligned and unaligned are within noise of each other ({result.num_seqs} seqs; paired difference "
         f"{result.paired_diff:.3g} [{result.paired_diff_ci[0]:.3g}, {result.paired_diff_ci[1]:.3g}] nats/token): the "
@@ -95,7 +111,7 @@ class Verifier:
         logger: logging.Logger,
     ) -> Verifier | None:
         """The plan for a run aligned by ``spec`` to ``profile`` on engine ``fp`` (``None``: nothing to verify)."""
-        sched = schedule(spec, unverified)
+        sched = schedule(spec, check_bool("Verifier.start", "unverified", unverified))
         if not sched.first:
             return None
         when = "step 1" + (f" and every {sched.every} steps" if sched.every else "")
@@ -104,6 +120,7 @@ class Verifier:
         return cls(spec, profile, fp, sched, logger=logger)
 
     def due(self, step: int) -> bool:
+        step = check_step("Verifier.due", step)
         return self.sched.due(step) and step not in self.done
 
     def warn_skipped(self, err: BaseException) -> None:
@@ -111,6 +128,7 @@ class Verifier:
 
     def record(self, step: int, result: VerifyResult, ladder: dict[str, float]) -> dict[str, float]:
         """Log the step's line, apply the verdict policy (may raise :class:`VerifyFailedError`), return metrics."""
+        step = check_step("Verifier.record", step)
         self.done.add(step)
         first, self.first_done = not self.first_done, True
         self.logger.info("%s", result.line(step, self.profile))

@@ -4,7 +4,8 @@ OpenRLHF 0.10 moved from flat flags (``--enforce_eager``, ``--enable_vllm_is_cor
 ``--vllm_is_truncated_threshold``) to dotted ones (``--vllm.enforce_eager``,
 ``--algo.advantage.is_correction_*``). The launcher reads a setting under any of its spellings, and
 refuses, before Ray starts, a spelling the installed OpenRLHF does not know (its parser would fail only
-after Ray is up), naming the spelling that it does know.
+after Ray is up), naming the spelling that it does know, and an abbreviation of one of them (OpenRLHF's
+argparse would read it as the full flag, the launcher would not see it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ FLAG_TABLE: dict[str, tuple[str, ...]] = {
     "vllm_num_engines": ("--vllm.num_engines", "--vllm_num_engines"),
     "vllm_tensor_parallel_size": ("--vllm.tensor_parallel_size", "--vllm_tensor_parallel_size"),
     "model_path": ("--actor.model_name_or_path", "--pretrain"),
+    "param_dtype": ("--ds.param_dtype", "--param_dtype"),
     "eps_clip": ("--actor.eps_clip", "--eps_clip"),
     "eps_clip_low_high": ("--actor.eps_clip_low_high", "--eps_clip_low_high"),
     # read by the start-up confounder checks (rlalign_verl/openrlhf/doctor_flags.py)
@@ -85,3 +87,21 @@ def check_spellings(argv: Sequence[str], known: set[str] | None = None) -> None:
                         f"{flag} is not a flag of the installed OpenRLHF (another release spells it so); "
                         f"use {valid[0]}"
                     )
+
+
+def check_abbreviations(argv: Sequence[str], known: set[str] | None = None) -> None:
+    """Refuse an abbreviation of a table flag: argparse (``allow_abbrev``) reads ``--vllm.tensor_parallel 2`` as
+    ``--vllm.tensor_parallel_size 2``, which the launcher reads under its full name only."""
+    known = installed_flags() if known is None else known
+    if not known:
+        return
+    table = {name for names in FLAG_TABLE.values() for name in names}
+    for flag in _used(argv):
+        if flag in known or flag in table or flag == "--":
+            continue
+        full = sorted(name for name in table & known if name.startswith(flag))
+        if full:
+            raise ConfigFormatError(
+                f"{flag} abbreviates {full[0]}, which OpenRLHF's parser would read but the launcher reads only "
+                f"written in full; write {full[0]}"
+            )

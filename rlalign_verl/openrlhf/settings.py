@@ -22,8 +22,10 @@ The alignment request is the same :class:`~rlalign_verl.request.spec.AlignmentSp
                          log-probs without turning on OpenRLHF's IS correction (the loss is unchanged). Default false.
 ``--address``            Ray address of an existing cluster (else ``RAY_ADDRESS``, else a local Ray).
 
-The launcher validates the request before Ray starts and hands it to the workers in one env var,
-:data:`ENV` (JSON); the workers read only that.
+The launcher validates the request before Ray starts (with regions on, also what the verl driver checks: the
+checkpoint of ``--actor.model_name_or_path``, its architecture, ``--ds.param_dtype`` and
+``--vllm.tensor_parallel_size``; :mod:`rlalign_verl.openrlhf.model_checks`) and hands it to the workers in one
+env var, :data:`ENV` (JSON); the workers read only that.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from typing import Any
 from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from rlalign_verl.base.options import parse_bool
 from rlalign_verl.catalog.profiles import get_profile
-from rlalign_verl.openrlhf.flags import check_spellings, spellings
-from rlalign_verl.openrlhf.moe_checks import expert_parallel_flag, local_model_type, moe_tensor_parallel
+from rlalign_verl.openrlhf.flags import check_abbreviations, check_spellings, spellings
+from rlalign_verl.openrlhf.model_checks import check_checkpoint, rollout_tp
+from rlalign_verl.openrlhf.moe_checks import expert_parallel_flag
 from rlalign_verl.request.checks import validate_request
 from rlalign_verl.request.spec import AlignmentSpec, refuse_resolved_keys
 
@@ -272,11 +275,12 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], str | None, list[st
     return values, address, rest
 
 
-def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
+def parse_launcher_args(argv: Sequence[str], *, checkpoint: bool = True) -> LaunchOptions:
     """Split ``argv`` into the plugin's settings and OpenRLHF's own flags; validate the settings.
 
     Every bad setting raises one :class:`~rlalign_verl.base.errors.AlignmentError` line naming the fix, before
-    anything starts.
+    anything starts: the request first, then (regions on, ``checkpoint``) what the verl driver checks too, the
+    checkpoint, its architecture and the dtypes (:mod:`rlalign_verl.openrlhf.model_checks`).
     """
     values, address, rest = split_argv(argv)
     collect = parse_bool(
@@ -285,21 +289,23 @@ def parse_launcher_args(argv: Sequence[str]) -> LaunchOptions:
     refuse_resolved_keys(values, "flag")
     spec = AlignmentSpec.parse(values, spelling="flag")
     check_spellings(rest)
+    check_abbreviations(rest)
     profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
-    # the rollout's TP size is a fact of the rollout, read from OpenRLHF's flag (the tp region mirrors it)
-    tp = moe_tensor_parallel(rest)
-    spec = spec.replace(
-        engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT, rollout_tp=tp or 1
-    )
+    # the rollout's TP size is a fact of the rollout, read from OpenRLHF's flag as its parser reads it (the tp
+    # region mirrors it); like the verl driver, only an aligned run reads it
+    tp = rollout_tp(rest) if spec.regions else 1
+    spec = spec.replace(engine=profile, engine_auto=spec.engine == "auto", rollout=ROLLOUT, rollout_tp=tp)
     check_lm_head(spec.regions)
-    validate_request(
+    expert_parallel = expert_parallel_flag(rest)
+    placed = validate_request(
         spec,
-        model_type=local_model_type(rest),
         rollout=ROLLOUT,
         liger=switch_on(rest, LIGER_FLAGS),
-        expert_parallel=expert_parallel_flag(rest),
+        expert_parallel=expert_parallel,
         spelling="flag",
     )
+    if placed is not None and checkpoint:
+        check_checkpoint(spec, placed, rest, expert_parallel)
     return LaunchOptions(Settings(spec, collect), profile_reason=reason, address=address, openrlhf_argv=rest)
 
 

@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with exit_on_error(2):  # a bad setting: one "[rlalign-verl] ERROR ..." line, exit 2, before Ray starts
         if "-h" in argv or "--help" in argv:
             _print_help()
-            options = parse_launcher_args([a for a in argv if a not in ("-h", "--help")])
+            # help needs no checkpoint: the request is checked, the model is not read
+            options = parse_launcher_args([a for a in argv if a not in ("-h", "--help")], checkpoint=False)
             options.openrlhf_argv.append("--help")
         else:
             options = parse_launcher_args(argv)

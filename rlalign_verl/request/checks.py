@@ -94,6 +94,8 @@ def validate_request(
     spelled_as`).
     """
     if not spec.regions:
+        with spelled_as(spelling or surface()):
+            check_off(spec)
         return None
     with spelled_as(spelling or surface()):
         regions = spec.regions
@@ -236,6 +238,43 @@ def check_inert(spec: AlignmentSpec) -> None:
                 f"{key_setting(row.shows, str(value))} sets what the {row.name} region computes, and {row.name} is "
                 f"not in {key_name('regions')}; add {row.name} to the regions or drop the setting"
             )
+
+
+ACTS_ONLY_ALIGNED = (
+    "compile",
+    "kernels",
+    "attention",
+    "head_dtype",
+    "compiled_norm",
+    "moe_variant",
+    "unverified",
+)
+"""Experimental settings that change only what an aligned region computes (the metrics' own settings and the
+version permission act with alignment off too)."""
+
+
+def check_off(spec: AlignmentSpec) -> None:
+    """With alignment off (no regions), a setting that only changes what aligned regions compute would be silently
+    inert: refused in one line."""
+    default = Experimental()
+    changed = [a for a in ACTS_ONLY_ALIGNED if getattr(spec.experimental, a) != getattr(default, a)]
+    if changed:
+        shown = ", ".join(_setting(a, getattr(spec.experimental, a)) for a in changed)
+        raise AlignmentError(
+            f"{shown} {'changes' if len(changed) == 1 else 'change'} what aligned regions compute, but {key_name('regions')} is empty (alignment off), so "
+            "it would do nothing; drop it, or name the regions to align (e.g. rope,swiglu,rmsnorm)"
+        )
+
+
+def _setting(attr: str, value: Any) -> str:
+    """``experimental.<attr>`` set to ``value`` as the current surface writes it."""
+    if surface() == "python":
+        return f"{attr}={value!r}"
+    if isinstance(value, tuple):
+        text = f"[{','.join(value)}]" if surface() == "hydra" else ",".join(value)
+    else:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+    return key_setting(f"experimental.{attr}", text)
 
 
 def check_compiled_norm(profile: EngineProfile, regions: tuple[str, ...]) -> None:

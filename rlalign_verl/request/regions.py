@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError, UnknownRegionError
+from rlalign_verl.base.options import key_name
 from rlalign_verl.catalog import profiles_tp
 
 
@@ -118,6 +119,12 @@ def normalize_regions(regions: Iterable[str] | str | None) -> tuple[str, ...]:
         return ()
     if isinstance(regions, str):
         items = [r for r in regions.replace(" ", "").split(",") if r]
+        if not items:  # '' / ',' would turn alignment off without a word (an unset shell variable, a typo)
+            raise ConfigFormatError(
+                f"{key_name('regions').rstrip('=')}={regions!r} names no region; give region names (e.g. rope,swiglu,"
+                "rmsnorm), or turn alignment off explicitly (verl: alignment.regions=[]; OpenRLHF: "
+                "--alignment.regions none; Python: regions=())"
+            )
     elif isinstance(regions, Iterable) and not isinstance(regions, Mapping | bytes):
         items = list(regions)
         odd = [r for r in items if not isinstance(r, str)]

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import ConfigFormatError
 from rlalign_verl.base.options import key_name, parse_bool, spelled_as
 from rlalign_verl.request.regions import normalize_regions
@@ -41,6 +42,10 @@ ON_WORSE: tuple[str, ...] = ("stop", "warn")
 DEFAULT_VERIFY_EVERY = 10
 """Verify at step 1 and every this many steps (benchmarks/verify_cost.py measures the cost)."""
 DEFAULT_VERIFY_MAX_SEQS = 64
+MIN_VERIFY_SEQS = 8
+"""The fewest sequences a verify verdict (or a doctor's) is decided on: below it the bootstrap interval sits on a
+handful of repeated values (the reason: :data:`rlalign_verl.measure.intervals.MIN_UNITS`, which is this number);
+a smaller ``verify.max_seqs`` is refused."""
 
 
 @dataclass(frozen=True)
@@ -152,17 +157,22 @@ class AlignmentSpec:
     # --- building ------------------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, value: Any = None, /, *, spelling: str = "hydra", **kwargs: Any) -> AlignmentSpec:
+    def parse(
+        cls, value: Any = None, /, *, spelling: str = "hydra", needs_regions: bool = False, **kwargs: Any
+    ) -> AlignmentSpec:
         """The spec from a mapping (a Hydra node, a dict: :data:`TOP_KEYS`), a JSON string, a spec, or the
-        Python keywords of ``apply_alignment`` (``regions=``, ``engine=``, ``compile=``, ``attention=`` ...).
+        Python keywords of ``apply_alignment`` (``regions=``, ``engine=``, ``compile=``, ``attention=`` ...);
+        keywords given with a mapping are merged into it, section by section.
 
-        Unknown keys, old spellings and bad values raise :class:`ConfigFormatError` (one line naming the key
-        as ``spelling`` writes it). Region and profile names are checked here.
+        Unknown keys, old spellings, keys given twice and bad values raise :class:`ConfigFormatError` (one line
+        naming the key as ``spelling`` writes it). Region and profile names are checked here. ``needs_regions``:
+        a mapping without ``regions`` is refused (a missing ``regions`` otherwise means off, as in the
+        plugin's default config).
         """
         if isinstance(value, AlignmentSpec) and not kwargs:
             return value
         if isinstance(value, str):
-            return cls.from_json(value)
+            value = _decode(value)
         data = _plain(value) if value is not None else {}
         with spelled_as(spelling):
             if not isinstance(data, Mapping):
@@ -171,21 +181,27 @@ class AlignmentSpec:
                     f"{key_name('regions')}{'' if spelling == 'python' else '='}[rope]"
                 )
             data = dict(data)
-            if kwargs:
-                data.update(_from_keywords(kwargs))
+            for key, given in _from_keywords(kwargs).items():
+                section = _plain(data.get(key))
+                if (
+                    key in ("verify", "doctor")
+                    and isinstance(section, Mapping)
+                    and not isinstance(given, Mapping)
+                ):
+                    given = _section({key: given}, key)  # verify=False is verify.enable=False
+                both = isinstance(given, Mapping) and isinstance(section, Mapping)
+                data[key] = {**section, **given} if both else given
+            if needs_regions and "regions" not in data:
+                raise ConfigFormatError(
+                    "the alignment spec names no regions (a spec without them aligns nothing); add "
+                    '"regions": ["rope", "swiglu", "rmsnorm"] (or [] to turn alignment off)'
+                )
             return _build(data)
 
     @classmethod
     def from_json(cls, text: str | Mapping) -> AlignmentSpec:
         """The spec a driver wrote with :meth:`to_json` (a JSON string or its decoded mapping)."""
-        if isinstance(text, str):
-            try:
-                text = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ConfigFormatError(
-                    f"alignment spec is not valid JSON ({err.msg}); re-run the driver"
-                ) from None
-        return cls.parse(text, spelling="hydra")
+        return cls.parse(_decode(text) if isinstance(text, str) else text, spelling="hydra")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples as lists) that :meth:`parse` reads back to an equal spec."""
@@ -234,7 +250,6 @@ class AlignmentSpec:
             for k, v in dataclasses.asdict(exp).items()
             if v != getattr(default, k) and not isinstance(v, list)
         ]
-        extra += [f"unverified={','.join(exp.unverified)}"] if exp.unverified else []
         tail = f" experimental: {' '.join(extra)}" if extra else ""
         engine = self.engine if isinstance(self.engine, str) else self.engine.name
         tp = f" rollout_tp={self.rollout_tp}" if self.rollout_tp > 1 else ""
@@ -242,6 +257,14 @@ class AlignmentSpec:
 
 
 # --- parsing helpers -----------------------------------------------------------------------------
+
+
+def _decode(text: str) -> Any:
+    """A spec's JSON text, decoded strictly (a key given twice is refused, not read as its last value)."""
+    try:
+        return strict_json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigFormatError(f"alignment spec is not valid JSON ({err.msg}); re-run the driver") from None
 
 
 def _given(section: Mapping, name: str, default: str) -> Any:
@@ -322,6 +345,9 @@ def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str) -> None:
         )
 
 
+_EXAMPLE_KEY = {"verify": "every", "doctor": "enable", "experimental": "compile"}
+
+
 def _section(data: Mapping, name: str) -> dict:
     node = _plain(data.get(name))
     if node is None:
@@ -336,7 +362,7 @@ def _section(data: Mapping, name: str) -> dict:
         raise bad_value(
             name,
             node,
-            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + ('every' if name == 'verify' else 'compile'))}",
+            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + _EXAMPLE_KEY[name])}",
         )
     return dict(node)
 
@@ -358,7 +384,12 @@ def _build(data: Mapping) -> AlignmentSpec:
     verify = VerifySpec(
         enable=flag(v, "enable", default_v.enable, "verify."),
         every=integer(v.get("every", default_v.every), "verify.every", 0),
-        max_seqs=integer(v.get("max_seqs", default_v.max_seqs), "verify.max_seqs", 1),
+        max_seqs=integer(
+            v.get("max_seqs", default_v.max_seqs),
+            "verify.max_seqs",
+            MIN_VERIFY_SEQS,
+            why=f"a verdict needs >= {MIN_VERIFY_SEQS} sequences (fewer give no interval)",
+        ),
         on_worse=choice(v.get("on_worse", default_v.on_worse), ON_WORSE, "verify.on_worse"),
         on_worse_later=choice(
             v.get("on_worse_later", default_v.on_worse_later), ON_WORSE, "verify.on_worse_later"

@@ -29,15 +29,17 @@ def choice(value: Any, options: Iterable[str], dotted: str, aliases: Mapping | N
     return table[text]
 
 
-def integer(value: Any, dotted: str, minimum: int) -> int:
+def integer(value: Any, dotted: str, minimum: int, why: str = "") -> int:
+    """``value`` as an int >= ``minimum`` (a numeric string too); ``why``: the reason for the minimum, said."""
+    fix = f"give an integer >= {minimum}" + (f": {why}" if why else "")
     if isinstance(value, bool):
-        raise bad_value(dotted, value, f"give an integer >= {minimum}")
+        raise bad_value(dotted, value, fix)
     try:
         number = int(str(value).strip()) if isinstance(value, str) else value
     except ValueError:
-        raise bad_value(dotted, value, f"give an integer >= {minimum}") from None
+        raise bad_value(dotted, value, fix) from None
     if not isinstance(number, int) or number < minimum:
-        raise bad_value(dotted, value, f"give an integer >= {minimum}")
+        raise bad_value(dotted, value, fix)
     return number
 
 

@@ -6,10 +6,10 @@ Run on the driver (from :mod:`rlalign_verl.verl.config`) before Ray or any engin
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import ConfigFormatError
 
 SEARCHPATH = "hydra.searchpath=[pkg://rlalign_verl.configs]"
@@ -39,7 +39,7 @@ def json_setting(value: Any, *, name: str) -> dict:
         if not value.strip():
             return {}
         try:
-            value = json.loads(value)
+            value = strict_json.loads(value)
         except json.JSONDecodeError as err:
             raise ConfigFormatError(
                 f"{name} is not valid JSON ({err.msg} at char {err.pos}); give a JSON object, e.g. "
@@ -50,35 +50,6 @@ def json_setting(value: Any, *, name: str) -> dict:
             f"{name} is a {type(value).__name__}, not a JSON object / mapping; give e.g. {name}='{{\"mode\": 0}}'"
         )
     return dict(value)
-
-
-def read_config_json(path: str) -> dict:
-    """The JSON object in a checkpoint's ``config.json``; a one-line error when it is broken."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigFormatError(
-            f"cannot read {path} ({type(err).__name__}: {err}); check actor_rollout_ref.model.path"
-        ) from None
-    except json.JSONDecodeError as err:
-        raise ConfigFormatError(
-            f"{path} is not valid JSON ({err.msg}, line {err.lineno} column {err.colno}; truncated?); "
-            f"re-save the checkpoint or point actor_rollout_ref.model.path at a complete one"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigFormatError(
-            f"{path} holds a JSON {type(data).__name__}, not an object with model_type; point "
-            f"actor_rollout_ref.model.path at a Hugging Face checkpoint directory"
-        )
-    return data
-
-
-def local_config_json(path: Any) -> str | None:
-    """``<path>/config.json`` when ``path`` is a local directory holding one, else None."""
-    local = os.path.expanduser(str(path))
-    cfg_file = os.path.join(local, "config.json")
-    return cfg_file if os.path.isfile(cfg_file) else None
 
 
 def check_override_spellings(argv: list[str]) -> None:

@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlalign_verl.base.errors import ConfigFormatError
+from rlalign_verl.catalog.vllm_paths import compilation_mode
 from rlalign_verl.verl.checks import json_setting
-
-# The CustomOp names whose CUDA/C++ kernels replace the three regions' native forwards in vLLM.
-REGION_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
 
 
 def plain(value: Any) -> Any:
@@ -36,24 +34,7 @@ def custom_ops_of(compilation_config: Any) -> list[str]:
 def compile_disabled(compilation_config: Any) -> bool:
     """vLLM compilation mode/level 0 (NONE): no Inductor, every CustomOp runs its kernel."""
     cc = json_setting(plain(compilation_config), name=CC_NAME)
-    mode = cc.get("mode", cc.get("level"))
-    return mode is not None and str(mode).strip().upper() in ("0", "NONE", "NO_COMPILATION")
-
-
-def kernels_on(custom_ops: list[str]) -> bool | None:
-    """Whether the region ops run their custom kernels: True (all), False (none), None (some)."""
-    enabled = set()
-    if "all" in custom_ops:
-        enabled = set(REGION_OPS)
-    for op in custom_ops:
-        name = op.lstrip("+-")
-        if name in REGION_OPS:
-            if op.startswith("+"):
-                enabled.add(name)
-            elif op.startswith("-"):
-                enabled.discard(name)
-    if not enabled:
-        return False
-    if enabled == set(REGION_OPS):
-        return True
-    return None
+    try:
+        return compilation_mode(cc) == "eager"
+    except ValueError as err:
+        raise ConfigFormatError(f"{CC_NAME}: {err}; give mode 0 (eager) or 3 (VLLM_COMPILE)") from None

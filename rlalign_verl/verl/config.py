@@ -13,11 +13,14 @@ from typing import Any
 
 from rlalign_verl.base.errors import AlignmentError, ProfileMismatchError
 from rlalign_verl.base.options import option_bool
+from rlalign_verl.catalog.vllm_paths import REGION_OPS, kernels_on
+from rlalign_verl.request.checkpoint import checkpoint_config
 from rlalign_verl.request.checks import validate_request
 from rlalign_verl.request.spec import AlignmentSpec, refuse_resolved_keys
-from rlalign_verl.verl.checks import check_alignment_node, local_config_json, read_config_json
-from rlalign_verl.verl.compilation import REGION_OPS, compile_disabled, custom_ops_of, kernels_on
+from rlalign_verl.verl.checks import check_alignment_node
+from rlalign_verl.verl.compilation import compile_disabled, custom_ops_of
 from rlalign_verl.verl.config_access import select
+from rlalign_verl.verl.engine_facts import workers_device, workers_profile
 from rlalign_verl.verl.log import logger
 from rlalign_verl.verl.transport import OVERRIDE_PATH, SPEC_KEY
 
@@ -166,50 +169,30 @@ def _actor_config_path(config: Any) -> Any:
     )
 
 
-def model_config_of(config: Any) -> Any:
-    """The actor checkpoint's ``config.json`` as attributes (a local checkpoint; ``None`` for a hub id)."""
+def model_of(config: Any) -> tuple[str | None, Any]:
+    """``(model_type, config.json as attributes)`` of the actor checkpoint, read on the driver before Ray starts
+    (:func:`~rlalign_verl.request.checkpoint.checkpoint_config`; the config is ``None`` for a hub id)."""
     from types import SimpleNamespace
 
-    path = _actor_config_path(config)
-    cfg_file = local_config_json(path) if path else None
-    return SimpleNamespace(**read_config_json(cfg_file)) if cfg_file else None
-
-
-def model_type_of(config: Any, local: Any = None) -> str | None:
-    """``model_type`` of the actor's HF config (config.json read directly; AutoConfig for hub ids). ``local``: that
-    config.json already read (:func:`model_config_of`), so it is not read again."""
-    path = _actor_config_path(config)
-    if not path:
-        raise AlignmentError(
-            "actor_rollout_ref.model.path is not set: set it to the checkpoint (folder or hub id) the actor loads"
-        )
-    cfg_file = local_config_json(path)
-    text = str(path)
-    if cfg_file is None and text.startswith(("/", "~", "./", "../")):  # a local path, not a hub id
-        where = os.path.expanduser(text)
-        what = "does not exist" if not os.path.exists(where) else "holds no config.json"
-        raise AlignmentError(
-            f"actor_rollout_ref.model.path={text} {what} on the driver (verl's default is a placeholder); set it "
-            "to the checkpoint folder the workers load (a path only the worker nodes see: also set "
-            "actor_rollout_ref.model.hf_config_path to a copy of its config.json the driver can read)"
-        )
-    if cfg_file is not None:
-        model_type = (vars(local) if local is not None else read_config_json(cfg_file)).get("model_type")
-        return None if model_type is None else str(model_type)
+    hf_config = select(config, "actor_rollout_ref.model.hf_config_path")
+    key = "actor_rollout_ref.model.hf_config_path" if hf_config else "actor_rollout_ref.model.path"
+    fix = (
+        "set it to the checkpoint's config.json (or the folder holding it) as the driver sees it"
+        if hf_config
+        else "verl's default is a placeholder: set it to the checkpoint folder the workers load (a path only the "
+        "worker nodes see: also set actor_rollout_ref.model.hf_config_path to a copy of its config.json the driver "
+        "can read)"
+    )
     name = "actor_rollout_ref.model.trust_remote_code"
-    trust = option_bool(select(config, name), name=name, default=False)
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust).model_type
-    except Exception as err:  # the worker checks again (apply_alignment raises there)
-        logger.warning(
-            "cannot read the model config at %s on the driver (%s); the model type is checked when the worker "
-            "builds the model",
-            path,
-            err,
-        )
-        return None
+    model_type, data = checkpoint_config(
+        _actor_config_path(config),
+        key,
+        missing_fix=fix,
+        trust_remote_code=option_bool(select(config, name), name=name, default=False),
+        sep="=",
+        file_ok=bool(hf_config),  # transformers' AutoConfig reads a config file given directly
+    )
+    return model_type, (None if data is None else SimpleNamespace(**data))
 
 
 def check_plugin_reaches_workers() -> None:
@@ -281,10 +264,9 @@ _validated: dict[int, tuple[Any, AlignmentSpec | None]] = {}
 
 
 def _workers_device(config: Any, on_cuda: bool) -> str | None:
-    """``cpu`` for CPU workers (trainer.device=cpu or the CPU adaptations), ``cuda`` on a GPU driver, else unknown."""
-    from rlalign_verl.verl.engine_facts import workers_device
-
-    if workers_device(config) == "cpu":
+    """``cpu`` for CPU workers (trainer.device=cpu or the CPU adaptations), ``cuda`` on a GPU driver, else unknown
+    (a CPU driver: ``auto`` resolves to the CPU build here and each worker moves it to its device's build)."""
+    if workers_device(config) == "cpu":  # another accelerator (npu) is refused there
         return "cpu"
     return "cuda" if on_cuda else None
 
@@ -311,10 +293,10 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         spec, reason = resolve_spec(config, spec, on_cuda=on_cuda and device != "cpu")
         _check_verl_run(config)
         liger_key = "actor_rollout_ref.model.use_liger"
-        local = model_config_of(config)  # the checks that read the architecture run here, before Ray
+        model_type, local = model_of(config)  # the checks that read the architecture run here, before Ray
         validate_request(
             spec,
-            model_type=model_type_of(config, local),
+            model_type=model_type,
             model_config=local,
             rollout=spec.rollout,
             # where the workers run, when the config or the driver says so: a profile built for the other device
@@ -328,6 +310,8 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
                 "profile %s is a CUDA profile but the driver sees no CUDA device (fine if the workers have GPUs)",
                 spec.engine,
             )
+    else:
+        validate_request(spec)  # alignment off: a setting that acts only on aligned regions is refused
     from rlalign_verl.verl.head_dtype import reconcile_head_dtype
 
     reconcile_head_dtype(config, spec)
@@ -343,7 +327,7 @@ def validate_config(config: Any, *, on_cuda: bool | None = None) -> AlignmentSpe
         logger.info(
             "alignment regions=%s profile=%s (%s); actor and ref are patched, critic untouched",
             ",".join(spec.regions),
-            spec.engine,
+            workers_profile(config, spec),
             reason,
         )
         from rlalign_verl.verl.engine_facts import say_unverified_engine

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rlalign_verl.base.errors import ProfileMismatchError
 from rlalign_verl.catalog.fingerprint import EngineFingerprint, fingerprint_for, unverified_line
 from rlalign_verl.request.spec import AlignmentSpec
 from rlalign_verl.verl.config_access import select as _select
@@ -17,14 +18,42 @@ from rlalign_verl.verl.log import logger
 VLLM_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
+WORKER_DEVICES = ("cuda", "cpu")
+"""The ``trainer.device`` values a profile describes (vLLM/SGLang on CUDA, vLLM's CPU build)."""
+
+
 def workers_device(config: Any) -> str:
-    """Where the actor and the rollout run: ``cpu`` with the CPU adaptations, else verl's ``trainer.device``."""
+    """Where the actor and the rollout run: ``cpu`` with the CPU adaptations, else verl's ``trainer.device``
+    (default ``cuda``); another accelerator (``npu``) is refused in one line: no profile describes its kernels."""
     from rlalign_verl.verl.cpu import enabled
 
     if enabled():
         return "cpu"
     device = str(_select(config, "trainer.device") or "cuda").strip().lower()
-    return "cpu" if device == "cpu" else "cuda"
+    if device not in WORKER_DEVICES:
+        raise ProfileMismatchError(
+            f"trainer.device={device}: the engine profiles describe vLLM and SGLang on CUDA and vLLM's CPU build, "
+            f"not the {device} engine's kernels, so alignment cannot mirror its rounding; set alignment.regions=[] "
+            "(the mismatch metrics still work)"
+        )
+    return device
+
+
+def workers_profile(config: Any, spec: AlignmentSpec) -> str:
+    """The profile the workers align to, as the start-up line names it: ``spec``'s, or, where ``auto`` resolved on a
+    driver of another device, the workers' device's build and why."""
+    from rlalign_verl.catalog.placement import profile_for_device
+
+    device = workers_device(config)
+    try:
+        placed = profile_for_device(spec.engine, device, auto=spec.engine_auto).name
+    except (
+        ProfileMismatchError
+    ):  # an explicit profile for the other device: the worker refuses it where it runs
+        return str(spec.engine)
+    if placed == spec.engine:
+        return placed
+    return f"{placed} (the workers run on {device}: auto moves {spec.engine}, chosen on this driver, to that build)"
 
 
 def run_fingerprint(config: Any, spec: AlignmentSpec) -> tuple[EngineFingerprint, Any]:

@@ -36,10 +36,11 @@ def engine_head_dtype(config: Any) -> tuple[str | None, str]:
     value = None if overrides is None else overrides.get("head_dtype")
     if value is not None:
         return _head(value, f"{VLLM_KEY}.head_dtype"), f"{VLLM_KEY}.head_dtype"
-    from rlalign_verl.verl.checks import local_config_json, read_config_json
+    from rlalign_verl.request.checkpoint import config_file, read_config
 
-    cfg_file = local_config_json(_select(config, "actor_rollout_ref.model.path") or "")
-    value = read_config_json(cfg_file).get("head_dtype") if cfg_file else None
+    key = "actor_rollout_ref.model.path"
+    cfg_file = config_file(_select(config, key) or "")
+    value = read_config(cfg_file, key).get("head_dtype") if cfg_file else None
     where = "the checkpoint's config.json head_dtype"
     return (None if value is None else _head(value, where)), where
 

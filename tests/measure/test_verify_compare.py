@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlalign_verl.base.options import spelled_as
+from rlalign_verl.measure.intervals import MIN_UNITS
 from rlalign_verl.measure.verify import GAIN_CAP, VerifyFailedError, compare
 from rlalign_verl.measure.verify_policy import act_on
 from rlalign_verl.request.spec import AlignmentSpec
@@ -72,11 +73,12 @@ def test_a_clearly_worse_profile_is_minus_one_and_stops_with_the_fix_spelled_per
 
 
 def test_the_verdict_uses_the_wider_interval() -> None:
-    """Few sequences: the 95% interval of the gain can exclude 1 while the 99.9% decision interval does not —
-    the verdict then says "within noise", and the logged line says which interval decides."""
+    """Few sequences (the fewest that carry an interval): the 95% interval of the gain can exclude 1 while the
+    99.9% decision interval does not — the verdict then says "within noise", and the logged line says which
+    interval decides."""
     found = None
     for seed in range(200):
-        res = compare(*_passes(seed, 6, 0.75, tokens=8))
+        res = compare(*_passes(seed, MIN_UNITS, 0.75, tokens=8))
         if res.gain_ci[0] > 1.0 and res.verdict == 0:
             found = res
             break

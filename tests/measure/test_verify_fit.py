@@ -15,15 +15,26 @@ pytest.importorskip("verl")
 from callback_steps import read_jsonl  # noqa: E402
 from fit_harness import STEPS, fit_config, legacy_trainer, v1_trainer  # noqa: E402
 
+from rlalign_verl.measure.intervals import MIN_UNITS  # noqa: E402
 from rlalign_verl.measure.verify import VerifyFailedError  # noqa: E402
 
 pytestmark = pytest.mark.verl
 pytest_plugins = ["callback_steps", "fit_harness"]
 
 ON = ("alignment.regions=[rope]", "alignment.engine=vllm-cpu", "trainer.device=cpu")
-V1 = ("trainer.use_v1=true", "data.train_batch_size=3")
+SEQS = MIN_UNITS  # 4 prompts x 2 samples: the fewest sequences a verdict is decided on
+V1 = ("trainer.use_v1=true", f"data.train_batch_size={SEQS // 2}")
 LEGACY = ("trainer.use_v1=false",)
 BYPASS = "algorithm.rollout_correction.bypass_mode=true"
+
+
+@pytest.fixture(autouse=True)
+def _enough_sequences(monkeypatch):
+    """Each step holds :data:`SEQS` sequences (the harness's default, 6, is below the verdict's minimum)."""
+    import fit_harness
+
+    assert fit_harness.ROLLOUT_N == 2
+    monkeypatch.setattr(fit_harness, "N_PROMPTS", SEQS // 2)
 
 
 def _rows(tmp_path, name: str) -> list[dict]:
@@ -55,7 +66,7 @@ def test_verify_steps_log_a_better_verdict(
             row["mismatch/verify/gain_lo"] == pytest.approx(2.0) and row["mismatch/verify/paired_diff_lo"] > 0
         )
         assert row["mismatch/verify/unaligned"] == pytest.approx(2 * row["mismatch/verify/aligned"])
-        assert row["mismatch/verify/num_seqs"] == 6
+        assert row["mismatch/verify/num_seqs"] == SEQS
     # one extra (unaligned) pass per verify step; in bypass mode verl recomputes nothing, so the aligned one too
     rungs = [rung for _, rung, _ in io.verify_passes]
     assert rungs == ["none", "none"], io.verify_passes
@@ -104,17 +115,21 @@ def test_later_worse_verdicts_can_stop_too(trainer_modules, transfer_queue, tmp_
 
 
 def test_subsample_and_ladder(trainer_modules, transfer_queue, tmp_path, monkeypatch):
-    extra = [*V1, "alignment.regions=[rope,swiglu,rmsnorm]", "alignment.engine=vllm-cpu", "trainer.device=cpu",
-             "alignment.verify.max_seqs=4", "alignment.verify.ladder=true", "alignment.verify.every=2"]  # fmt: skip
+    import fit_harness
+
+    monkeypatch.setattr(fit_harness, "N_PROMPTS", SEQS)  # 2 x SEQS sequences a step, verified on SEQS of them
+    extra = ["trainer.use_v1=true", f"data.train_batch_size={SEQS}", "alignment.regions=[rope,swiglu,rmsnorm]",
+             "alignment.engine=vllm-cpu", "trainer.device=cpu", f"alignment.verify.max_seqs={SEQS}",
+             "alignment.verify.ladder=true", "alignment.verify.every=2"]  # fmt: skip
     trainer, io = v1_trainer(fit_config(*extra), transfer_queue, tmp_path, monkeypatch)
     trainer.fit(agent_loop_manager=None)
     rows = _rows(tmp_path, "v1.jsonl")
-    assert rows[0]["mismatch/verify/num_seqs"] == 4  # the same 4 sequences, aligned and unaligned
+    assert rows[0]["mismatch/verify/num_seqs"] == SEQS  # the same SEQS sequences, aligned and unaligned
     ladder = {k.rsplit("/", 1)[1] for k in rows[0] if k.startswith("mismatch/verify/ladder/")}
     assert ladder == {"none", "rope", "swiglu", "rmsnorm", "all"}
     assert not any(k.startswith("mismatch/verify/ladder/") for k in rows[2])  # the ladder runs at step 1 only
     step1 = sorted(rung or "aligned" for step, rung, n in io.verify_passes if step == 1)
-    assert step1 == ["none", "rmsnorm", "rope", "swiglu"] and {n for *_, n in io.verify_passes} == {4}
+    assert step1 == ["none", "rmsnorm", "rope", "swiglu"] and {n for *_, n in io.verify_passes} == {SEQS}
 
 
 @pytest.mark.parametrize(

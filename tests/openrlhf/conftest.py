@@ -9,9 +9,11 @@ and on ``PYTHONPATH`` (so Ray's worker processes load the CPU-test stubs through
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,28 @@ if HAVE_OPENRLHF:
 def tiny_qwen2(tiny_checkpoint) -> Path:
     """The tiny local Qwen2 checkpoint (the shared ``tiny_checkpoint`` fixture of tests/conftest.py)."""
     return tiny_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="session")
+def config_dir(tmp_path_factory) -> Callable[..., str]:
+    """Make a checkpoint folder holding only ``config.json`` (all the launcher reads); returns its path.
+
+    ``config_dir("qwen2", hidden_act="gelu")``: ``model_type`` qwen2 and those fields.
+    """
+
+    def make(model_type: str = "qwen2", **fields: object) -> str:
+        path = tmp_path_factory.mktemp(model_type)
+        data = {"model_type": model_type, **fields}
+        (path / "config.json").write_text(json.dumps(data), encoding="utf-8")
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(config_dir) -> str:
+    """A dense Qwen2 checkpoint folder (config.json only) for launcher tests."""
+    return config_dir("qwen2")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,12 @@ from rlalign_verl.openrlhf import flags  # noqa: E402
 from rlalign_verl.openrlhf.settings import parse_launcher_args  # noqa: E402
 from rlalign_verl.openrlhf.train_ppo_ray import main  # noqa: E402
 
-BASE = ["--actor.model_name_or_path", "/models/qwen", "--vllm.num_engines", "1"]
+
+@pytest.fixture
+def base(qwen2_dir) -> list[str]:
+    """OpenRLHF flags of a launch that passes every check: a local Qwen2 checkpoint, one vLLM engine."""
+    return ["--actor.model_name_or_path", qwen2_dir, "--vllm.num_engines", "1"]
+
 
 # id -> (argv, error type, fragment of the one error line)
 BAD = {
@@ -68,23 +73,23 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_launcher_input_is_one_line_and_exit_2(case, capsys, monkeypatch):
+def test_bad_launcher_input_is_one_line_and_exit_2(case, base, capsys, monkeypatch):
     argv, error, fragment = BAD[case]
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started despite a bad setting"))
     with pytest.raises(SystemExit) as info:
-        main([*argv, *BASE])
+        main([*argv, *base])
     assert info.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"[rlalign-verl] ERROR {error}: ") and fragment in lines[0], lines[0]
 
 
-def test_python_m_launcher_exits_2_with_one_line_and_no_traceback():
+def test_python_m_launcher_exits_2_with_one_line_and_no_traceback(base):
     result = subprocess.run(
         [sys.executable, "-m", "rlalign_verl.openrlhf.train_ppo_ray", "--alignment.engine", "sglang",
-         "--alignment.regions", "all", *BASE],
+         "--alignment.regions", "all", *base],
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
@@ -113,11 +118,12 @@ SPELLINGS = {
 
 
 @pytest.mark.parametrize("case", list(SPELLINGS))
-def test_flags_are_read_in_the_installed_release_spelling(case, monkeypatch):
+def test_flags_are_read_in_the_installed_release_spelling(case, qwen2_dir, monkeypatch):
     known, extra, want = SPELLINGS[case]
     assert NEW_RELEASE and "--vllm.enforce_eager" in NEW_RELEASE  # the test env has OpenRLHF >= 0.10
     monkeypatch.setattr(flags, "installed_flags", lambda *a: known)
-    argv = ["--alignment.regions", "rope", *extra]
+    model = "--pretrain" if known is OLD_RELEASE else "--actor.model_name_or_path"
+    argv = ["--alignment.regions", "rope", model, qwen2_dir, *extra]
     if want.startswith("use "):
         with pytest.raises(Exception, match=want):
             parse_launcher_args(argv)
@@ -125,19 +131,19 @@ def test_flags_are_read_in_the_installed_release_spelling(case, monkeypatch):
         assert parse_launcher_args(argv).settings.profile == want
 
 
-def test_old_release_liger_and_is_correction_spellings_are_read(monkeypatch):
+def test_old_release_liger_and_is_correction_spellings_are_read(qwen2_dir, monkeypatch):
     from rlalign_verl.base.errors import LigerConflictError
     from rlalign_verl.openrlhf.settings import rollout_logprobs_requested
 
     monkeypatch.setattr(flags, "installed_flags", lambda *a: OLD_RELEASE)
     with pytest.raises(LigerConflictError):
-        parse_launcher_args(["--alignment.regions", "rope", "--use_liger_kernel"])
+        parse_launcher_args(["--alignment.regions", "rope", "--use_liger_kernel", "--pretrain", qwen2_dir])
     assert rollout_logprobs_requested(["--enable_vllm_is_correction"])
     assert rollout_logprobs_requested(["--algo.advantage.is_correction_level", "token"])
     assert not rollout_logprobs_requested(["--algo.advantage.is_correction_level", "off"])
 
 
-def test_acknowledged_confounders_are_warnings_and_the_launch_goes_on(monkeypatch, plugin_log):
+def test_acknowledged_confounders_are_warnings_and_the_launch_goes_on(base, monkeypatch, plugin_log):
     import ray
 
     class Started(Exception):
@@ -150,11 +156,11 @@ def test_acknowledged_confounders_are_warnings_and_the_launch_goes_on(monkeypatc
     argv = ["--rollout.top_p", "0.8", "--algo.advantage.is_correction_level", "token", "--train.async_enable",
             "--alignment.doctor.allow", "top_p_top_k"]  # fmt: skip
     with pytest.raises(Started):
-        main([*argv, *BASE])
+        main([*argv, *base])
     lines = [m for m in plugin_log if m.startswith("doctor: ")]
     assert len(lines) == 2 and "(acknowledged in --alignment.doctor.allow)" in lines[0], lines
     assert lines[1].startswith("doctor: --train.async_enable:")
     plugin_log.clear()
     with pytest.raises(Started):  # the doctor off: no check, no error
-        main([*argv[:5], "--alignment.doctor.enable", "false", *BASE])
+        main([*argv[:5], "--alignment.doctor.enable", "false", *base])
     assert not any(m.startswith("doctor: ") for m in plugin_log)

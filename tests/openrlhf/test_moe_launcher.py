@@ -73,7 +73,10 @@ def test_supported_settings_pass(case, tmp_path, monkeypatch):
     monkeypatch.setattr(flags, "installed_flags", lambda *a: None)
     path = _model(tmp_path, model_type) if model_type else "Qwen/Qwen3-30B-A3B"
     # the default vllm profile's MoE data is unverified (a dense model refuses the opt-in: it would use nothing)
-    opted = ["--alignment.experimental.unverified", "moe"] if model_type != "qwen2" else []
+    # (and with no region on, a setting that acts only on aligned regions is refused)
+    opted = (
+        ["--alignment.experimental.unverified", "moe"] if model_type != "qwen2" and regions != "none" else []
+    )
     opts = parse_launcher_args(
         ["--alignment.regions", regions, *opted, "--actor.model_name_or_path", path, *extra]
     )
@@ -145,7 +148,16 @@ def test_moe_variant_flag(tmp_path):
     env = runtime_env(opts.settings)["env_vars"]
     assert Settings.from_env(env).spec.experimental.moe_variant == "engine-op"
     assert "moe_variant=engine-op" in opts.settings.describe()
-    plain = parse_launcher_args(["--alignment.regions", "all,moe", "--alignment.engine", "vllm-cpu"])
+    plain = parse_launcher_args(
+        [
+            "--alignment.regions",
+            "all,moe",
+            "--alignment.engine",
+            "vllm-cpu",
+            "--actor.model_name_or_path",
+            moe,
+        ]
+    )
     assert plain.settings.spec.experimental.moe_variant == "emulate"
     bad = {
         "cuda profile": (

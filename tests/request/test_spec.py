@@ -8,6 +8,8 @@ driver validates), OpenRLHF's ``--alignment.*`` flags (``flag``: the launcher's 
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -43,7 +45,11 @@ def _flags(node: dict) -> AlignmentSpec:
             argv.extend([f"--alignment.{prefix}", text])
 
     walk("", node)
-    spec = parse_launcher_args([*argv, "--actor.model_name_or_path", "/nowhere"]).settings.spec
+    # the launcher reads its config.json (MoE: moe is valid)
+    checkpoint = Path(tempfile.mkdtemp()) / "qwen3_moe"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    spec = parse_launcher_args([*argv, "--actor.model_name_or_path", str(checkpoint)]).settings.spec
     return spec.replace(
         engine_auto=False, rollout=""
     )  # the launcher resolves these; the table compares the request

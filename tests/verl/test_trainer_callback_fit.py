@@ -19,6 +19,10 @@ DOCTOR_KEYS = {f"mismatch/doctor/{k}" for k in ("bias", "bias_lo", "bias_hi", "a
 def test_legacy_trainer_fit_logs_mismatch_every_step(
     trainer_modules, tmp_path, monkeypatch, warnings_log, rollout_is
 ):
+    import fit_harness
+
+    # 8 sequences: the fewest the doctor's bias interval needs
+    monkeypatch.setattr(fit_harness, "N_PROMPTS", 4)
     overrides = ["trainer.use_v1=false", "actor_rollout_ref.actor.clip_ratio_high=0.28"]
     if rollout_is:  # verl's rollout correction (truncated IS, token level) active at the same time
         overrides.append(f"algorithm.rollout_correction.rollout_is={rollout_is}")

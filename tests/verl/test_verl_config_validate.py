@@ -238,7 +238,10 @@ def test_entry_points_validate_on_driver_before_ray(qwen2_path):
     for section in sections[2:]:
         assert "REACHED_RUN_PPO" not in section, section
         assert "RAISED LigerConflictError" in section and "use_liger=False" in section, section
-    assert f"alignment regions=rope profile={profile}" in out.stderr
+    # the line names the profile the workers use: trainer.device is cuda (verl's default), so on a CPU-only driver
+    # auto is chosen as the CPU build here and each worker moves it to its CUDA build
+    said = profile if _cuda() else "vllm-eager (the workers run on cuda: auto moves vllm-cpu-eager"
+    assert f"alignment regions=rope profile={said}" in out.stderr
 
 
 def _cuda() -> bool:

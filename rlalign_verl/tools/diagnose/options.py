@@ -48,6 +48,21 @@ class DiagnoseOptions:
 
     def check(self) -> list[tuple[str, tuple[str, ...]]]:
         """Raise a one-line :class:`AlignmentError` for a bad value; returns the parsed settings."""
+        for name in (
+            "model",
+            "tiny",
+            "engine",
+            "rollout_logprobs",
+            "write_rollouts",
+            "out",
+            "engine_head_dtype",
+        ):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):  # an unset shell variable, a typo
+                flag = "--" + name.replace("_", "-")
+                raise AlignmentError(
+                    f"{flag} is {v!r}, not a name or path; give one, or drop {flag} for its default"
+                )
         for name in ("num_prompts", "max_tokens", "seeds", "tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -15,7 +15,12 @@ from typing import Any
 from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.tools.diagnose.options import DiagnoseOptions
 from rlalign_verl.tools.diagnose.progress import stage
-from rlalign_verl.tools.diagnose.resolve import check_model, profile_for_dump, profile_for_engine
+from rlalign_verl.tools.diagnose.resolve import (
+    check_model,
+    check_settings,
+    profile_for_dump,
+    profile_for_engine,
+)
 from rlalign_verl.tools.diagnose.stats import intervals, prompt_groups
 
 
@@ -40,8 +45,9 @@ class Sample:
         return int(self.header.tensor_parallel_size)
 
 
-def sample_from_dump(opts: DiagnoseOptions) -> Sample:
-    """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint."""
+def sample_from_dump(opts: DiagnoseOptions, settings: list) -> Sample:
+    """Read ``--rollout-logprobs``; the model is ``--model``/``--tiny`` or the dump's own checkpoint. ``settings``
+    are checked against the dump's profile, TP size and model before anything is recomputed."""
     from rlalign_verl.tools.diagnose.dump_header import logprob_temperature
     from rlalign_verl.tools.diagnose.rollouts import (
         RolloutFormatError,
@@ -69,11 +75,15 @@ def sample_from_dump(opts: DiagnoseOptions) -> Sample:
     header, rollouts = read_rollouts(dump, **model_limits(config))
     profile = profile_for_dump(opts.engine, header, dump)
     check_tp(config, model_dir, header.tensor_parallel_size, where=f"{dump}: header tensor_parallel_size")
+    check_settings(settings, profile, header.tensor_parallel_size, config)
     return Sample(model_dir, config, profile, header, rollouts, "dump", dump, logprob_temperature(header))
 
 
-def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict) -> Sample:
-    """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process)."""
+def sample_with_engine(
+    opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Path, timing: dict, settings: list
+) -> Sample:
+    """Sample ``num_prompts`` x ``seeds`` responses with the installed engine (one child process), after
+    ``settings`` are checked against the profile, the TP size and the model."""
     from rlalign_verl.tools.diagnose.dump_header import logprob_temperature
     from rlalign_verl.tools.diagnose.head import engine_hf_overrides
     from rlalign_verl.tools.diagnose.rollouts import model_limits, read_rollouts
@@ -89,6 +99,7 @@ def sample_with_engine(opts: DiagnoseOptions, dist: tuple[str, str], out_dir: Pa
             model_dir = build_tiny_checkpoint(opts.tiny or "qwen2")
     config, tok = check_model(model_dir)
     check_tp(config, model_dir, opts.tp, profile)
+    check_settings(settings, profile, opts.tp, config)
     timing["model_build_s"] = time.time() - t
     prompts = tiny_prompts(tok, opts.num_prompts, seed=opts.seed)
     check_context(config, model_dir, prompts, opts.max_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlalign_verl.measure.intervals import MIN_UNITS, enough_units
 from rlalign_verl.tools.diagnose.moe_routes import FLIP_KEY
 from rlalign_verl.tools.diagnose.stats import interval, separated
 
@@ -72,9 +73,19 @@ def _floor_part(out: dict[str, Any], base: float, full: float, floor: dict[str, 
     out["reducible_part_removed"] = (base - full) / (base - f) if base > f else None
 
 
-def recommend(results: dict[str, Any], floor: dict[str, Any] | None, tp: int = 1) -> dict[str, Any]:
+def recommend(
+    results: dict[str, Any], floor: dict[str, Any] | None, tp: int = 1, prompts: int | None = None
+) -> dict[str, Any]:
     """The recommendation dict (``regions``, ``setting``, ``text``, ...) for the settings' rows; ``tp``: the
-    rollout's tensor-parallel size (> 1 adds a line on the ``tp`` region unless a row already measured it)."""
+    rollout's tensor-parallel size (> 1 adds a line on the ``tp`` region unless a row already measured it);
+    ``prompts``: the distinct prompts the intervals resample (below :data:`MIN_UNITS` nothing is recommended:
+    their intervals cannot separate the settings)."""
+    if prompts is not None and not enough_units(prompts):
+        return {
+            "regions": None,
+            "text": f"no recommendation: {prompts} distinct prompts are too few to separate the settings (the 95% "
+            f"intervals resample prompts and need >= {MIN_UNITS}); rerun with --num-prompts {MIN_UNITS} or more",
+        }
     out = _recommend(results, floor)
     if tp > 1 and not any("tp" in r.get("regions", ()) for r in results.values()):
         out["tp_note"] = (

@@ -229,6 +229,10 @@ def _abs_diff_plot(plt: Any, result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+PLOTS = ("gaps.png", "abs_diff.png")
+"""The plots :func:`write_plots` writes into the output directory."""
+
+
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     """``gaps.png`` (per-setting bars: mean with 95% CI, p99 |Δlogp|) and ``abs_diff.png`` (histogram + CDF)."""
     import matplotlib
@@ -236,7 +240,7 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars, hist = out_dir / "gaps.png", out_dir / "abs_diff.png"
+    bars, hist = (out_dir / name for name in PLOTS)
     _gaps_plot(plt, result, bars)
     _abs_diff_plot(plt, result, hist)
     return [str(bars), str(hist)]

@@ -90,3 +90,20 @@ def profile_for_dump(name: str | None, header: Any, path: Path) -> Any:
             f"--engine {header.profile}"
         )
     return profile
+
+
+def check_settings(settings: list, profile: Any, tp: int = 1, config: Any = None) -> None:
+    """Refuse (one line, before the engine samples or anything is recomputed) a ``--settings`` entry the profile
+    cannot run at the rollout's tensor-parallel size ``tp`` on the model (``config``: its architecture)."""
+    from rlalign_verl.request.checks import validate_request
+    from rlalign_verl.request.spec import AlignmentSpec
+
+    model_type = getattr(config, "model_type", None)
+    for label, regions in settings:
+        spec = AlignmentSpec.parse(regions=regions, engine=profile.name, rollout_tp=tp)
+        try:
+            validate_request(spec, model_type=model_type, model_config=config)
+        except AlignmentError as err:
+            raise type(err)(
+                f"--settings {label} (profile {profile.name}, tensor parallel {tp}): {err}"
+            ) from None

@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import RolloutFormatError
-from rlalign_verl.tools.diagnose.dump_header import check_header, check_samples
+from rlalign_verl.base.files import atomic_target
+from rlalign_verl.tools.diagnose.dump_header import check_groups, check_header, check_samples
 
 FORMAT_KIND = "rlalign-rollouts"
 FORMAT_VERSION = 1
@@ -99,12 +101,10 @@ def write_rollouts(path: str | Path, header: RolloutHeader, rollouts: list[Rollo
     """Write ``header`` and ``rollouts`` as JSONL to ``path`` (parent directories are created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
+    with atomic_target(path) as tmp, tmp.open("w") as f:  # a fresh name, renamed over path: no link followed
         f.write(json.dumps(header.to_json()) + "\n")
         for r in rollouts:
             f.write(json.dumps(r.to_json()) + "\n")
-    tmp.replace(path)
     return path
 
 
@@ -182,7 +182,7 @@ def _read_lines(path: Path) -> list[str]:
             f"rollout dump {path} does not exist; write one with `rlalign-verl diagnose --write-rollouts FILE`"
         )
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors) is not content
     except UnicodeDecodeError:
         raise RolloutFormatError(
             f"{path} is not a text JSONL file (binary content); pass the dump written by --write-rollouts"
@@ -194,12 +194,13 @@ def _read_lines(path: Path) -> list[str]:
 
 def _parse_header(path: Path, line: str) -> RolloutHeader:
     try:
-        head = json.loads(line)
+        head = strict_json.loads(line)
     except json.JSONDecodeError as e:
         raise _fail(path, 1, f"header is not valid JSON ({e})") from None
     if not isinstance(head, dict) or head.get("kind") != FORMAT_KIND:
         raise _fail(path, 1, f'first line must be the header object with "kind": "{FORMAT_KIND}"')
-    if head.get("format_version") != FORMAT_VERSION:
+    version = head.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:  # true / 1.0 compare equal to 1 in Python
         raise _fail(
             path, 1, f"unsupported format_version {head.get('format_version')!r} (expected {FORMAT_VERSION})"
         )
@@ -221,7 +222,7 @@ def _parse_header(path: Path, line: str) -> RolloutHeader:
 
 def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None, max_len: int | None) -> Rollout:
     try:
-        obj = json.loads(text)
+        obj = strict_json.loads(text)
     except json.JSONDecodeError as e:
         raise _fail(path, n, f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
@@ -229,6 +230,14 @@ def _parse_sample(path: Path, n: int, text: str, vocab_size: int | None, max_len
     missing = [k for k in _SAMPLE_REQUIRED if k not in obj]
     if missing:
         raise _fail(path, n, f"sample misses field(s) {missing} (needs {list(_SAMPLE_REQUIRED)})")
+    unknown = sorted(set(obj) - set(_SAMPLE_REQUIRED) - {"prompt_logprobs"})
+    if unknown:  # a misspelled prompt_logprobs, a per-sample setting: nothing in a dump is ignored
+        raise _fail(
+            path,
+            n,
+            f"unknown sample field(s) {unknown} (a sample holds {', '.join(_SAMPLE_REQUIRED)} and optionally "
+            "prompt_logprobs; settings belong in the header)",
+        )
     prompt = _check_ids(path, n, "prompt_ids", obj["prompt_ids"], vocab_size)
     resp = _check_ids(path, n, "response_ids", obj["response_ids"], vocab_size)
     if not prompt:
@@ -287,4 +296,5 @@ def read_rollouts(
     check_samples(
         path, header, [(n, len(r.response_ids)) for (n, _), r in zip(numbered, rollouts, strict=True)]
     )
+    check_groups(path, header, [tuple(r.prompt_ids) for r in rollouts])
     return header, rollouts

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlalign_verl.base.errors import EngineUnavailableError
+from rlalign_verl.base.files import open_log
 from rlalign_verl.catalog.placement import cpu_rank_binding
 from rlalign_verl.tools.diagnose.child_process import (
     die_with_parent,
@@ -144,7 +145,7 @@ def run_engine_jobs(
         spec.write_text(json.dumps([asdict(j) for j in jobs]))
         log = Path(log_path) if log_path else Path(tmp) / "engine.log"
         cmd = child_command(spec)
-        with log.open("w") as lf:
+        with open_log(log) as lf:
             proc = subprocess.Popen(
                 cmd,
                 env=child_env(),

@@ -12,13 +12,16 @@ from rlalign_verl.base.errors import AlignmentError, one_line
 if TYPE_CHECKING:
     from rlalign_verl.tools.report.runs import Run
 
+DEFAULT_TITLE = "rlalign-verl mismatch report"
+
 
 def add_parser(subparsers: Any) -> None:
     """Register the ``report`` subcommand on an ``argparse`` subparsers object."""
     parser = subparsers.add_parser(
         "report",
         help="plot and compare the mismatch metrics of verl runs (PNG + self-contained HTML)",
-        description="Plot and compare the mismatch/* metrics of verl runs: one PNG per panel and report.html.",
+        description="Plot and compare the mismatch/* metrics of verl runs: one PNG per panel and report.html. "
+        "With --tensorboard-layout LOGDIR alone: write TensorBoard's custom-scalars layout instead.",
     )
     parser.add_argument(
         "runs",
@@ -30,11 +33,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--labels", default=None, help="comma-separated run names, one per RUN (default: file/dir name)"
     )
-    parser.add_argument("--title", default="rlalign-verl mismatch report", help="page title")
+    parser.add_argument("--title", default=None, help=f"page title (default: {DEFAULT_TITLE!r})")
     parser.add_argument(
         "--tensorboard-layout",
         metavar="LOGDIR",
-        help="write the custom-scalars layout (mismatch/* grouped) into a TensorBoard log directory and exit",
+        help="instead of a report: write only the custom-scalars layout (mismatch/* grouped) into a TensorBoard "
+        "log directory and exit; given alone, without RUN, --out, --labels or --title",
     )
 
 
@@ -75,15 +79,28 @@ def _distinct(runs: list[Run]) -> None:
         taken.add(label)
 
 
+def _layout_alone(args: argparse.Namespace) -> None:
+    """``--tensorboard-layout`` writes only the layout: refuse report arguments given with it, never ignore them."""
+    flags = {"--out": args.out, "--labels": args.labels, "--title": args.title}
+    given = (["RUN"] if args.runs else []) + [flag for flag, value in flags.items() if value is not None]
+    if given:
+        raise AlignmentError(
+            f"--tensorboard-layout writes only the layout, not a report, and {'/'.join(given)} would be ignored; "
+            "run it without RUN/--out/--labels/--title, or drop --tensorboard-layout to write the report"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``report``; 0 on success, 2 with one ``[rlalign-verl] ERROR`` line for bad input.
 
-    Every refusal (bad runs, an --out or layout directory that is a link, a file, read-only, or holds a
-    link or a directory where a report file goes) comes before the first file is written.
+    Every refusal (bad runs, --tensorboard-layout given with a report's arguments, an --out or layout
+    directory that is a link, a file, read-only, or holds a link or a directory where a report file goes)
+    comes before the first file is written.
     """
     try:
         layout_dir = _directory(args.tensorboard_layout, "--tensorboard-layout")
         if layout_dir is not None:
+            _layout_alone(args)
             from rlalign_verl.tools.report.tensorboard import write_layout
 
             print(f"wrote the custom-scalars layout into {write_layout(layout_dir)}")
@@ -97,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         labels = _labels(args)
         runs = [load_run(path, label) for path, label in zip(args.runs, labels, strict=True)]
         _distinct(runs)
-        page = write_report(runs, out, title=args.title)
+        page = write_report(runs, out, title=DEFAULT_TITLE if args.title is None else args.title)
     except AlignmentError as err:
         print(one_line(err), file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@
   not UTF-8 (a Latin-1 text value) are replaced and the line's numbers still read, the line is named. A BOM
   at the start of a later line (files concatenated) is dropped too.
 - Lines: split on ``\\n`` only (a JSON string may hold U+2028 and friends, which ``str.splitlines`` would
-  split on); each unreadable line is counted with its number and why (not JSON, no whole-number step, ...).
+  split on); each unreadable line is counted with its number and why (not JSON, a key given twice in one
+  object such as two ``step`` keys, no whole-number step, ...).
   Only a last line cut short is blamed on truncation.
 - Values: a number is read as is; ``null`` is verl's NaN/inf (orjson writes non-finite floats as null) and
   is read as NaN, so the run's checks name the step it drops; a string holding a number (``"0.05"``,
@@ -15,12 +16,12 @@
 from __future__ import annotations
 
 import codecs
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import AlignmentError
 
 _BOMS = (
@@ -112,7 +113,9 @@ def _as_float(value: int | float) -> float:
 def _row(text: str) -> tuple[int, dict[str, Any]] | str:
     """``(step, data)`` of one line, or why it is unreadable."""
     try:
-        row = json.loads(text)
+        row = strict_json.loads(text)
+    except strict_json.DuplicateKeyError as dup:
+        return f"key {short(dup.key)} given twice in one object"
     except (ValueError, RecursionError):
         return "not JSON"
     if not isinstance(row, dict) or "step" not in row or "data" not in row:

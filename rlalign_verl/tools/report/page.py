@@ -14,7 +14,7 @@ from typing import Any
 
 from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.base.files import open_out_dir
-from rlalign_verl.tools.report.runs import Run
+from rlalign_verl.tools.report.runs import BANDS, Run, check_bands
 
 __all__ = ["PANELS", "Panel", "plot_panel", "write_report"]
 
@@ -31,7 +31,8 @@ class Panel:
     hint: str = ""
     """One line under the plot: which way is better, what the lines are."""
     band: tuple[str, str] | None = None
-    """Keys of a 95% interval drawn as a shaded band around the first key."""
+    """Keys of a 95% interval drawn as an error bar around each point of the first key (a point whose
+    interval does not hold it gets none; :func:`.runs.check_bands` says which)."""
     ref: float | None = None
     """A horizontal reference line (e.g. gain 1: no effect)."""
 
@@ -57,7 +58,7 @@ PANELS: tuple[Panel, ...] = (
         "Verification gain = unaligned / aligned (95% interval)",
         "gain (×)",
         ("mismatch/verify/gain",),
-        band=("mismatch/verify/gain_lo", "mismatch/verify/gain_hi"),
+        band=BANDS["mismatch/verify/gain"],
         ref=1.0,
         hint="above 1 (the dotted line): alignment brings the trainer closer to the engine; below 1: farther",
     ),
@@ -106,10 +107,16 @@ _LINESTYLES = ("-", "--", ":", "-.")
 
 
 def plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> bool:
-    """Draw ``panel`` for every run on ``ax``; False when no run has any of its keys."""
+    """Draw ``panel`` for every run on ``ax``; False when no run has any of its keys.
+
+    Run labels (user text: ``--labels`` or file names) are drawn literally: no mathtext, no LaTeX, a
+    leading underscore kept in the legend.
+    """
     from matplotlib.ticker import MaxNLocator
 
     drawn = False
+    handles: list[Any] = []
+    labels: list[str] = []
     for run_, color in zip(runs, colors, strict=True):
         for key, style in zip(panel.keys, _LINESTYLES, strict=False):
             points = run_.series.get(key)
@@ -117,21 +124,30 @@ def plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> boo
                 continue
             steps, values = zip(*points, strict=True)
             suffix = "" if len(panel.keys) == 1 else f" · {key.rsplit('/', 1)[-1]}"
-            ax.plot(steps, values, linestyle=style, color=color, marker="o" if len(points) < 30 else None,
-                    markersize=4, label=f"{run_.label}{suffix}")  # fmt: skip
+            (line,) = ax.plot(steps, values, linestyle=style, color=color, markersize=4,
+                              marker="o" if len(points) < 30 else None)  # fmt: skip
+            handles.append(line)
+            labels.append(f"{run_.label}{suffix}")
             drawn = True
             if panel.band and key == panel.keys[0]:  # the interval of each point (verify steps are sparse)
                 lo, hi = (dict(run_.series.get(k, [])) for k in panel.band)
                 value = dict(points)
-                shown = [s for s in steps if s in lo and s in hi]
+                # only an interval that holds its point (check_bands dropped and named the others)
+                shown = [s for s in steps if s in lo and s in hi and lo[s] <= value[s] <= hi[s]]
                 if shown:
                     err = [[value[s] - lo[s] for s in shown], [hi[s] - value[s] for s in shown]]
-                    ax.errorbar(shown, [value[s] for s in shown], yerr=err, fmt="none", ecolor=color, capsize=4,
-                                alpha=0.7, label=f"{run_.label} · 95% interval")  # fmt: skip
+                    bars = ax.errorbar(shown, [value[s] for s in shown], yerr=err, fmt="none", ecolor=color,
+                                       capsize=4, alpha=0.7)  # fmt: skip
+                    handles.append(bars)
+                    labels.append(f"{run_.label} · 95% interval")
     if drawn:
-        ax.set_title(panel.title, fontsize=10)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(panel.ylabel)
+        _literal(
+            [
+                ax.set_title(panel.title, fontsize=10),
+                ax.set_xlabel("training step"),
+                ax.set_ylabel(panel.ylabel),
+            ]
+        )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         if panel.ref is not None:
             ax.axhline(panel.ref, color="grey", linestyle=":", linewidth=1)
@@ -139,8 +155,16 @@ def plot_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[Any]) -> boo
         if panel.logy and all(v > 0 for v in values):
             _log_axis(ax, min(values), max(values))
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(handles, labels, fontsize=7)  # given explicitly: a label "_x" is not dropped
+        _literal(ax.get_legend().get_texts())
     return drawn
+
+
+def _literal(texts: Any) -> None:
+    """Draw each text as its characters: ``$...$`` is no mathtext, ``\\`` no LaTeX (user text never parses)."""
+    for text in texts:
+        text.set_parse_math(False)
+        text.set_usetex(False)
 
 
 def _log_axis(ax: Any, lo: float, hi: float) -> None:
@@ -161,6 +185,8 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
     matplotlib.use("Agg")
     if not runs:
         raise AlignmentError("no runs given")
+    for r in runs:  # load_run has checked a loaded run; a Run built otherwise is checked here
+        check_bands(r.series, r.problems)
     panels = [p for p in PANELS if any(k in r.series for r in runs for k in p.keys)]
     if not panels:
         known = sorted({k for p in PANELS for k in p.keys})
@@ -171,7 +197,8 @@ def write_report(runs: list[Run], out: str | Path, *, title: str = "rlalign-verl
     names = ["overview.png", *(f"{p.name}.png" for p in panels), "report.html"]
     with open_out_dir(out) as out_dir:
         out_dir.check(names)  # --out and every target checked before the first byte is written
-        images = _draw(runs, panels, title)
+        with matplotlib.rc_context({"text.usetex": False}):  # a matplotlibrc's LaTeX never sees user text
+            images = _draw(runs, panels, title)
         page = _html(title, runs, images).encode("utf-8")
         for _, name, data in images:
             out_dir.write(name, data)
@@ -192,7 +219,7 @@ def _draw(runs: list[Run], panels: list[Panel], title: str) -> list[tuple[str, s
         plot_panel(ax, panel, runs, colors)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    fig.suptitle(title)
+    _literal([fig.suptitle(title)])
     fig.tight_layout()
     images.append(("Overview", "overview.png", _png(fig)))
     plt.close(fig)

@@ -2,9 +2,10 @@
 
 Nothing is plotted or dropped without a word: a step logged more than once (a resumed run: the last value is
 kept), a value a key cannot take (a negative ``|Δ log p|``, a fraction outside [0, 1], NaN), an unreadable
-line, a number logged as text (read as the number), a value that is no number (skipped), a truncated event
-file and a run without any ``mismatch/*`` series are each named in :attr:`Run.problems`, which the command
-prints and the page shows.
+line (not JSON, a key given twice, ...), a number logged as text (read as the number), a value that is no
+number (skipped), a 95% interval that is partial or does not hold its value (dropped, the point kept), a
+truncated event file and a run without any ``mismatch/*`` series are each named in :attr:`Run.problems`,
+which the command prints and the page shows.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ NON_NEGATIVE = (
 """Key prefixes whose values cannot be negative (absolute values, counts, ratios, k2/k3 KL estimators)."""
 FRACTIONS = ("mismatch/ratio_clip_frac", "mismatch/verify/aligned_exact", "mismatch/verify/unaligned_exact")
 VERDICTS = ("mismatch/verify/verdict",)
+BANDS: dict[str, tuple[str, str]] = {
+    "mismatch/verify/gain": ("mismatch/verify/gain_lo", "mismatch/verify/gain_hi")
+}
+"""Key -> the keys of its 95% interval (low, high), drawn around each of its points."""
 
 
 def impossible(key: str, value: float) -> str | None:
@@ -95,7 +100,57 @@ def _clean(raw: dict[str, dict[int, list[float]]], problems: list[str]) -> dict[
         problems.append(
             f"step(s) {shown} logged more than once (a resumed run?): the last value of each is plotted"
         )
+    check_bands(series, problems, {k: {s: len(v) for s, v in by_step.items()} for k, by_step in raw.items()})
     return series
+
+
+def _band_problem(
+    key: str, step: int, value: dict[int, float], lo: dict[int, float], hi: dict[int, float], logged: dict
+) -> str | None:
+    """Why the interval of ``key`` at ``step`` cannot be drawn around its value (``None``: it can)."""
+    name = key.rsplit("/", 1)[-1]
+    if step not in value:
+        return f"no usable {name} at that step"
+    if step not in lo or step not in hi:
+        return f"no usable {name}_{'lo' if step not in lo else 'hi'}"
+    counts = [logged.get(k, {}).get(step) for k in (key, *BANDS[key])]
+    if len(set(counts)) > 1:
+        return f"{name} logged {counts[0]}×, {name}_lo {counts[1]}×, {name}_hi {counts[2]}× (a resumed run?)"
+    if not lo[step] <= hi[step]:
+        return f"interval [{lo[step]:g}, {hi[step]:g}] reversed"
+    if not lo[step] <= value[step] <= hi[step]:
+        return f"{name} {value[step]:g} outside [{lo[step]:g}, {hi[step]:g}]"
+    return None
+
+
+def check_bands(
+    series: dict[str, list[tuple[int, float]]],
+    problems: list[str],
+    logged: dict[str, dict[int, int]] | None = None,
+) -> None:
+    """Drop each interval (:data:`BANDS`) that is partial or does not hold its value; say which and why.
+
+    ``logged``: key -> step -> how many times the step was logged (a step logged again without its interval
+    pairs a value with another log line's interval). The point itself stays, drawn without its interval.
+    """
+    for key, (lo_key, hi_key) in BANDS.items():
+        value, lo, hi = (dict(series.get(k, [])) for k in (key, lo_key, hi_key))
+        why = {s: _band_problem(key, s, value, lo, hi, logged or {}) for s in sorted({*lo, *hi})}
+        bad = {s: w for s, w in why.items() if w}
+        if not bad:
+            continue
+        for k in (lo_key, hi_key):
+            kept = [(s, v) for s, v in series.get(k, []) if s not in bad]
+            if kept:
+                series[k] = kept
+            else:
+                series.pop(k, None)
+        shown = "; ".join(f"step {s}: {w}" for s, w in list(bad.items())[:5]) + (
+            " ..." if len(bad) > 5 else ""
+        )
+        problems.append(
+            f"{key}: 95% interval dropped at {len(bad)} step(s), each point drawn without it: {shown}"
+        )
 
 
 def _values_problem(table: dict[str, tuple[int, str]], what: str) -> str | None:
