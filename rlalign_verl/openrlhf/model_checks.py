@@ -25,6 +25,7 @@ from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, Unsuppor
 from rlalign_verl.base.options import spelled_as
 from rlalign_verl.catalog.profiles import EngineProfile
 from rlalign_verl.openrlhf.flags import installed_flags, spellings
+from rlalign_verl.openrlhf.log import logger
 from rlalign_verl.request.checkpoint import checkpoint_config
 from rlalign_verl.request.checks import check_model, check_param_dtype, parse_head_dtype
 from rlalign_verl.request.spec import AlignmentSpec
@@ -107,6 +108,8 @@ def checkpoint_facts(argv: Sequence[str]) -> tuple[str, str, str | None, Any]:
         flag,
         missing_fix="set it to the checkpoint folder the actors load (a folder only the worker nodes hold: put a "
         "copy of its config.json at that path here)",
+        log=logger,
+        machine="the launcher's machine",
     )
     return flag, path, model_type, (None if data is None else SimpleNamespace(**data))
 

