@@ -25,11 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import ConfigFormatError
 from rlalign_verl.base.options import key_name, parse_bool, spelled_as
 from rlalign_verl.request.regions import normalize_regions
-from rlalign_verl.request.values import bad_value, choice, integer, names
+from rlalign_verl.request.values import bad_value, choice, decode_spec, given, integer, names, plain, section
 
 ATTENTION_VARIANTS: tuple[str, ...] = ("engine-op", "sdpa-fp32")
 HEAD_DTYPES: dict[str, str] = {"float32": "float32", "fp32": "float32", "model": "model", "bfloat16": "model",
@@ -172,8 +171,8 @@ class AlignmentSpec:
         if isinstance(value, AlignmentSpec) and not kwargs:
             return value
         if isinstance(value, str):
-            value = _decode(value)
-        data = _plain(value) if value is not None else {}
+            value = decode_spec(value)
+        data = plain(value) if value is not None else {}
         with spelled_as(spelling):
             if not isinstance(data, Mapping):
                 raise ConfigFormatError(
@@ -181,16 +180,16 @@ class AlignmentSpec:
                     f"{key_name('regions')}{'' if spelling == 'python' else '='}[rope]"
                 )
             data = dict(data)
-            for key, given in _from_keywords(kwargs).items():
-                section = _plain(data.get(key))
+            for key, value in _from_keywords(kwargs).items():
+                node = plain(data.get(key))
                 if (
                     key in ("verify", "doctor")
-                    and isinstance(section, Mapping)
-                    and not isinstance(given, Mapping)
+                    and isinstance(node, Mapping)
+                    and not isinstance(value, Mapping)
                 ):
-                    given = _section({key: given}, key)  # verify=False is verify.enable=False
-                both = isinstance(given, Mapping) and isinstance(section, Mapping)
-                data[key] = {**section, **given} if both else given
+                    value = section({key: value}, key)  # verify=False is verify.enable=False
+                both = isinstance(value, Mapping) and isinstance(node, Mapping)
+                data[key] = {**node, **value} if both else value
             if needs_regions and "regions" not in data:
                 raise ConfigFormatError(
                     "the alignment spec names no regions (a spec without them aligns nothing); add "
@@ -201,7 +200,7 @@ class AlignmentSpec:
     @classmethod
     def from_json(cls, text: str | Mapping) -> AlignmentSpec:
         """The spec a driver wrote with :meth:`to_json` (a JSON string or its decoded mapping)."""
-        return cls.parse(_decode(text) if isinstance(text, str) else text, spelling="hydra")
+        return cls.parse(decode_spec(text) if isinstance(text, str) else text, spelling="hydra")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples as lists) that :meth:`parse` reads back to an equal spec."""
@@ -257,34 +256,6 @@ class AlignmentSpec:
 
 
 # --- parsing helpers -----------------------------------------------------------------------------
-
-
-def _decode(text: str) -> Any:
-    """A spec's JSON text, decoded strictly (a key given twice is refused, not read as its last value)."""
-    try:
-        return strict_json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigFormatError(f"alignment spec is not valid JSON ({err.msg}); re-run the driver") from None
-
-
-def _given(section: Mapping, name: str, default: str) -> Any:
-    """A choice's value as given; only a missing (``None``) one takes the default (``''`` is a bad value)."""
-    value = section.get(name)
-    return default if value is None else value
-
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers (and dataclasses) to plain Python values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(value, DictConfig | ListConfig):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with verl/hydra
-        pass
-    return value
 
 
 _KEYWORDS = {
@@ -345,35 +316,13 @@ def _check_keys(data: Mapping, allowed: tuple[str, ...], prefix: str) -> None:
         )
 
 
-_EXAMPLE_KEY = {"verify": "every", "doctor": "enable", "experimental": "compile"}
-
-
-def _section(data: Mapping, name: str) -> dict:
-    node = _plain(data.get(name))
-    if node is None:
-        return {}
-    if isinstance(node, str) and name == "verify" and node.strip().lower() in ("off", "false", "on", "true"):
-        return {"enable": node}  # alignment.verify=off
-    if isinstance(node, bool) and name in ("verify", "doctor"):
-        return {"enable": node}
-    if isinstance(node, str) and name == "doctor" and node.strip().lower() in ("off", "false", "on", "true"):
-        return {"enable": node}  # alignment.doctor=off
-    if not isinstance(node, Mapping):
-        raise bad_value(
-            name,
-            node,
-            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + _EXAMPLE_KEY[name])}",
-        )
-    return dict(node)
-
-
 def _build(data: Mapping) -> AlignmentSpec:
     _check_keys(data, TOP_KEYS + RESOLVED_KEYS, "")
-    v = _section(data, "verify")
+    v = section(data, "verify")
     _check_keys(v, _VERIFY_KEYS, "verify.")
-    d = _section(data, "doctor")
+    d = section(data, "doctor")
     _check_keys(d, _DOCTOR_KEYS, "doctor.")
-    x = _section(data, "experimental")
+    x = section(data, "experimental")
     _check_keys(x, _EXPERIMENTAL_KEYS, "experimental.")
     default_v, default_x = VerifySpec(), Experimental()
 
@@ -405,29 +354,29 @@ def _build(data: Mapping) -> AlignmentSpec:
     )
     experimental = Experimental(
         attention=choice(
-            _given(x, "attention", default_x.attention),
+            given(x, "attention", default_x.attention),
             ATTENTION_VARIANTS,
             "experimental.attention",
         ),  # fmt: skip
         head_dtype=choice(
-            _given(x, "head_dtype", default_x.head_dtype),
+            given(x, "head_dtype", default_x.head_dtype),
             ("float32", "model"),
             "experimental.head_dtype",
             HEAD_DTYPES,
         ),  # fmt: skip
         compiled_norm=flag(x, "compiled_norm", default_x.compiled_norm, "experimental."),
         moe_variant=choice(
-            _given(x, "moe_variant", default_x.moe_variant),
+            given(x, "moe_variant", default_x.moe_variant),
             MOE_VARIANTS,
             "experimental.moe_variant",
         ),  # fmt: skip
-        kernels=choice(_given(x, "kernels", default_x.kernels), KERNELS, "experimental.kernels"),
+        kernels=choice(given(x, "kernels", default_x.kernels), KERNELS, "experimental.kernels"),
         compile=flag(x, "compile", default_x.compile, "experimental."),
         unverified=names(x.get("unverified"), UNVERIFIED_NAMES, "experimental.unverified"),
         metrics_quantiles=flag(x, "metrics_quantiles", default_x.metrics_quantiles, "experimental."),
         untested_versions=flag(x, "untested_versions", default_x.untested_versions, "experimental."),
     )
-    regions_value = _plain(data.get("regions"))
+    regions_value = plain(data.get("regions"))
     if "regions" in data and regions_value is None:  # missing means off; an explicit null is a typo or a bug
         raise bad_value(
             "regions",

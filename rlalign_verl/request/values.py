@@ -7,9 +7,12 @@ The helpers of :meth:`rlalign_verl.request.spec.AlignmentSpec.parse`; each error
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rlalign_verl.base import strict_json
 from rlalign_verl.base.errors import ConfigFormatError
 from rlalign_verl.base.options import key_name, surface
 
@@ -59,3 +62,53 @@ def names(value: Any, valid: tuple[str, ...], dotted: str) -> tuple[str, ...]:
     if unknown:
         raise bad_value(dotted, value, f"unknown {unknown}; valid: {', '.join(valid)} (or empty)")
     return tuple(sorted(names))
+
+
+def decode_spec(text: str) -> Any:
+    """A spec's JSON text, decoded strictly (a key given twice is refused, not read as its last value)."""
+    try:
+        return strict_json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigFormatError(f"alignment spec is not valid JSON ({err.msg}); re-run the driver") from None
+
+
+def given(section: Mapping, name: str, default: str) -> Any:
+    """A choice's value as given; only a missing (``None``) one takes the default (``''`` is a bad value)."""
+    value = section.get(name)
+    return default if value is None else value
+
+
+def plain(value: Any) -> Any:
+    """OmegaConf containers (and dataclasses) to plain Python values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, DictConfig | ListConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with verl/hydra
+        pass
+    return value
+
+
+_EXAMPLE_KEY = {"verify": "every", "doctor": "enable", "experimental": "compile"}
+
+
+def section(data: Mapping, name: str) -> dict:
+    node = plain(data.get(name))
+    if node is None:
+        return {}
+    if isinstance(node, str) and name == "verify" and node.strip().lower() in ("off", "false", "on", "true"):
+        return {"enable": node}  # alignment.verify=off
+    if isinstance(node, bool) and name in ("verify", "doctor"):
+        return {"enable": node}
+    if isinstance(node, str) and name == "doctor" and node.strip().lower() in ("off", "false", "on", "true"):
+        return {"enable": node}  # alignment.doctor=off
+    if not isinstance(node, Mapping):
+        raise bad_value(
+            name,
+            node,
+            f"give a mapping of {name} keys, e.g. {key_name(name + '.' + _EXAMPLE_KEY[name])}",
+        )
+    return dict(node)
