@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -195,17 +194,35 @@ def check_file_target(target: str | Path, flag: str) -> Path:
     return path
 
 
+def temp_name(target: str | Path) -> Path:
+    """A fresh name next to ``target`` for :func:`atomic_target`: ``.<name>.<random>.tmp``
+    (:func:`temp_names` finds them)."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+
+
+def temp_names(target: str | Path) -> list[Path]:
+    """The temporary files :func:`atomic_target` may have left next to ``target`` (a writer killed mid-write)."""
+    target = Path(target)
+    return sorted(target.parent.glob(f".{glob_escape(target.name)}.*.tmp"))
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters taken literally."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
 @contextmanager
 def atomic_target(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``target``; on success it is renamed over ``target``."""
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
+    """Yield a new temporary path next to ``target`` (created exclusively, never through a link, with the mode a new
+    file gets under the umask); on success it is renamed over ``target``."""
+    tmp = temp_name(target)
+    os.close(os.open(tmp, _NEW_FILE_FLAGS, 0o666))
     try:
-        yield Path(tmp)
+        yield tmp
         os.replace(tmp, target)  # replaces a symlink at target itself; never writes through it
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
 
 

@@ -52,8 +52,17 @@ def sig_values(where: str, sig: Any) -> dict[str, float | None]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise input_error(where, f"sig[{key!r}]={value!r:.40} is a {type(value).__name__}, not a number; "
                               "pass the dict signatures() returns (numbers)")  # fmt: skip
-        out[name] = None if value is None or not math.isfinite(float(value)) else float(value)
+        out[name] = None if value is None else _finite_or_none(value)
     return out
+
+
+def _finite_or_none(value: numbers.Real) -> float | None:
+    """``float(value)`` when finite; ``None`` for NaN/inf and for an int beyond float's range."""
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
 
 
 _LINES = {

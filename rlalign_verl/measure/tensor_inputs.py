@@ -236,7 +236,10 @@ def check_number(
     fix = f"give a finite number{_span(low, high)}{hint}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(where, f"{name}={_kind(value)}, not a number; {fix}")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise _fail(where, f"{name} is an integer beyond a float's range; {fix}") from None
     if not math.isfinite(out) or (low is not None and out < low) or (high is not None and out > high):
         raise _fail(where, f"{name}={out!r} is out of range; {fix}")
     return out

@@ -130,10 +130,14 @@ class Verifier:
         """Log the step's line, apply the verdict policy (may raise :class:`VerifyFailedError`), return metrics."""
         step = check_step("Verifier.record", step)
         self.done.add(step)
-        first, self.first_done = not self.first_done, True
+        decided = (
+            result.decision_ci is not None
+        )  # too few sequences: nothing decided, the first check still to come
+        first = not self.first_done
+        self.first_done = self.first_done or decided
         self.logger.info("%s", result.line(step, self.profile))
-        if result.verdict == 0 and not self.said_noise:
-            self.said_noise = True
+        if result.verdict == 0 and not (decided and self.said_noise):  # too few: said at every such check
+            self.said_noise = self.said_noise or decided
             self.logger.info("%s", within_noise_line(result))
         try:
             warning = act_on(result, first=first, spec=self.spec.replace(engine=self.profile),

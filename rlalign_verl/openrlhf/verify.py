@@ -68,16 +68,16 @@ def start(settings: Settings) -> Verifier | None:
 
 
 def _subsample(experiences: Sequence[Any], cap: int, actors: int) -> list[Any]:
-    """Whole micro-batches up to ``cap`` sequences, a multiple of the actor count (at least one each)."""
-    chosen, seqs = [], 0
+    """Whole micro-batches holding at least ``cap`` sequences (all when they hold fewer), their number rounded UP to
+    a multiple of the actor count (at least one each): rounded down, the sample could fall below the 8 sequences a
+    verdict needs (``cap`` >= 8)."""
+    chosen, seqs = 0, 0
     for e in experiences:
-        n = int(e.sequences.shape[0])
-        if chosen and seqs + n > cap:
+        if seqs >= cap:
             break
-        chosen.append(e)
-        seqs += n
-    keep = max(actors, len(chosen) - len(chosen) % actors)
-    return list(experiences[:keep])
+        chosen += 1
+        seqs += int(e.sequences.shape[0])
+    return list(experiences[: -(-chosen // actors) * actors])
 
 
 def _pass(maker: Any, experiences: Sequence[Any], rung: str) -> list[torch.Tensor]:

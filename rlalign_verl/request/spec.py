@@ -180,16 +180,17 @@ class AlignmentSpec:
                     f"{key_name('regions')}{'' if spelling == 'python' else '='}[rope]"
                 )
             data = dict(data)
-            for key, value in _from_keywords(kwargs).items():
+            for key, given_value in _from_keywords(kwargs).items():
                 node = plain(data.get(key))
                 if (
                     key in ("verify", "doctor")
                     and isinstance(node, Mapping)
-                    and not isinstance(value, Mapping)
+                    and not isinstance(given_value, Mapping)
                 ):
-                    value = section({key: value}, key)  # verify=False is verify.enable=False
-                both = isinstance(value, Mapping) and isinstance(node, Mapping)
-                data[key] = {**node, **value} if both else value
+                    given_value = section({key: given_value}, key)  # verify=False is verify.enable=False
+                both = isinstance(given_value, Mapping) and isinstance(node, Mapping)
+                data[key] = {**node, **given_value} if both else given_value
+            _check_keys(data, TOP_KEYS + RESOLVED_KEYS, "")  # a misspelt "region" is named as such first
             if needs_regions and "regions" not in data:
                 raise ConfigFormatError(
                     "the alignment spec names no regions (a spec without them aligns nothing); add "

@@ -69,7 +69,10 @@ def decode_spec(text: str) -> Any:
     try:
         return strict_json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigFormatError(f"alignment spec is not valid JSON ({err.msg}); re-run the driver") from None
+        raise ConfigFormatError(
+            f"alignment spec is not valid JSON ({err.msg}); give a JSON object such as "
+            '{"regions": ["rope"], "engine": "vllm"} (a spec a driver wrote: re-run the driver)'
+        ) from None
 
 
 def given(section: Mapping, name: str, default: str) -> Any:

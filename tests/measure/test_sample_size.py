@@ -77,6 +77,22 @@ def test_a_verifier_logs_too_few_sequences_as_within_noise(caplog) -> None:
     assert any("too few to separate" in r.getMessage() for r in caplog.records)
 
 
+def test_an_undecided_first_check_leaves_the_first_verdict_to_the_next_one(caplog) -> None:
+    """Step 1 with too few sequences decides nothing: on_worse=stop (the first check's policy) still applies at the
+    first check that has an interval, and the within-noise explanation is said again there."""
+    from rlalign_verl.catalog.fingerprint import EngineFingerprint
+    from rlalign_verl.measure.verify_policy import schedule
+
+    fp = EngineFingerprint("vllm", None, "cpu", "unknown")
+    run = Verifier(STOP, "vllm", fp, schedule(STOP, False))
+    with caplog.at_level("INFO", logger="rlalign_verl"):
+        run.record(1, compare(*_worse(2)), {})
+        assert not run.first_done
+        with pytest.raises(VerifyFailedError):
+            run.record(11, compare(*_worse(MIN_UNITS)), {})
+    assert run.first_done
+
+
 def test_one_rule_for_units_and_draws_across_verify_and_doctor() -> None:
     assert doctor.MIN_SEQS == MIN_UNITS == 8
     assert min_draws(doctor.LEVEL) == 100  # the doctor's floor: 2.5 draws beyond each end of a 95% interval

@@ -128,3 +128,9 @@ def test_describe_names_each_setting_once():
 def test_a_section_given_as_a_word_names_a_key_of_that_section():
     with pytest.raises(ConfigFormatError, match=r"alignment.doctor=disabled: .*alignment.doctor.enable"):
         AlignmentSpec.parse({"regions": ["rope"], "doctor": "disabled"})
+
+
+def test_a_misspelt_regions_key_is_named_before_the_missing_regions():
+    with pytest.raises(ConfigFormatError, match="region") as e:
+        apply_alignment(_tiny(), {"region": ["rope"]})
+    assert "names no regions" not in str(e.value), str(e.value)

@@ -72,6 +72,33 @@ def test_the_engine_log_is_never_opened_through_a_link(tmp_path):
     assert (tmp_path / "fresh.log").read_text() == "ok"
 
 
+def test_a_dump_is_written_with_the_umasks_mode_and_leaves_no_temporary_file(tmp_path):
+    header, rollouts = read_rollouts(_dump(tmp_path / "src.jsonl"))
+    old = os.umask(0o022)
+    try:
+        target = write_rollouts(tmp_path / "out.jsonl", header, rollouts)
+    finally:
+        os.umask(old)
+    assert target.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "src.jsonl"]
+
+
+def test_a_stopped_child_leaves_no_half_written_dump(tmp_path):
+    import subprocess
+    import sys
+
+    from rlalign_verl.base.files import temp_name
+    from rlalign_verl.tools.diagnose.child_process import stop_child
+
+    out = str(tmp_path / "r[1].jsonl")  # a name with glob characters
+    half = temp_name(out)
+    half.write_text("partial")
+    (tmp_path / "other.tmp").write_text("not ours")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    stop_child(proc, [out])
+    assert not half.exists() and (tmp_path / "other.tmp").exists()
+
+
 def test_a_dump_is_written_to_a_fresh_name_never_through_a_planted_link(tmp_path):
     header, rollouts = read_rollouts(_dump(tmp_path / "src.jsonl"))
     victim = tmp_path / "victim.txt"
@@ -205,3 +232,25 @@ def test_the_cli_says_the_empty_option_in_one_line(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out is ''" in err[0], err
     assert os.listdir(tmp_path) == []
+
+
+def test_too_few_prompts_still_say_the_tp_line_and_schedule_no_pairs():
+    from rlalign_verl.tools.diagnose.recommend import extra_settings
+
+    rows = {"none": {"mismatch/logp_abs_diff_mean": 0.05, "regions": []},
+            "all": {"mismatch/logp_abs_diff_mean": 0.05, "regions": ["rope", "swiglu", "rmsnorm"]}}  # fmt: skip
+    few = recommend(rows, None, tp=2, prompts=4)
+    assert few["regions"] is None and "tp_note" in few and "tensor parallel 2" in few["text"]
+    evaluated = [("none", ()), ("all", ("rope", "swiglu", "rmsnorm"))]
+    rows["all"]["mismatch/logp_abs_diff_mean"] = 0.01  # only "all" measured: the pairs would be evaluated
+    assert extra_settings(rows, evaluated, prompts=4) == [] and extra_settings(rows, evaluated, prompts=8)
+
+
+def test_a_path_object_is_a_path(tmp_path):
+    from rlalign_verl.tools.diagnose.options import DiagnoseOptions
+
+    assert DiagnoseOptions(out=tmp_path / "o", model=tmp_path, write_rollouts=tmp_path / "d.jsonl").check()
+
+
+def test_a_dump_integer_beyond_a_float_is_out_of_range_not_a_traceback(tmp_path):
+    _refused(_dump(tmp_path / "d.jsonl", sampling={"temperature": 10**400}), "sampling.temperature must be")

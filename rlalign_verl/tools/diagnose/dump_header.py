@@ -189,7 +189,7 @@ def _check_extra(path: Path, extra: dict[str, Any]) -> None:
 def _check_sampling(path: Path, sampling: dict[str, Any], mode: str | None) -> None:
     for key, (types, ok, what, _) in _SAMPLING.items():
         v = sampling.get(key)
-        if v is not None and (not _is(v, types) or not ok(v)):
+        if v is not None and (not _is(v, types) or not _within(ok, v)):
             raise _fail(path, f"header sampling.{key} must be {what}, got {v!r}")
     if mode == "raw_logprobs":
         return  # raw log-probs are of the unmodified distribution: sampling only chose the tokens
@@ -221,6 +221,14 @@ def _check_sampling(path: Path, sampling: dict[str, Any], mode: str | None) -> N
             f"they may have changed the processed log-probs; {RAW_FIX}, or drop them from the header if "
             "they did not",
         )
+
+
+def _within(ok: Any, v: Any) -> bool:
+    """``ok(v)``; an integer too large for a float (JSON allows 400 digits) is out of range, not a traceback."""
+    try:
+        return bool(ok(v))
+    except OverflowError:
+        return False
 
 
 def _neutral(key: str, v: Any) -> bool:

@@ -58,7 +58,10 @@ class DiagnoseOptions:
             "engine_head_dtype",
         ):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v.strip()):  # an unset shell variable, a typo
+            text = os.fspath(v) if isinstance(v, os.PathLike) else v  # a pathlib.Path from Python is a path
+            if v is not None and (
+                not isinstance(text, str) or not text.strip()
+            ):  # an unset shell variable, a typo
                 flag = "--" + name.replace("_", "-")
                 raise AlignmentError(
                     f"{flag} is {v!r}, not a name or path; give one, or drop {flag} for its default"

@@ -81,12 +81,13 @@ def recommend(
     ``prompts``: the distinct prompts the intervals resample (below :data:`MIN_UNITS` nothing is recommended:
     their intervals cannot separate the settings)."""
     if prompts is not None and not enough_units(prompts):
-        return {
+        out = {
             "regions": None,
             "text": f"no recommendation: {prompts} distinct prompts are too few to separate the settings (the 95% "
             f"intervals resample prompts and need >= {MIN_UNITS}); rerun with --num-prompts {MIN_UNITS} or more",
         }
-    out = _recommend(results, floor)
+    else:
+        out = _recommend(results, floor)
     if tp > 1 and not any("tp" in r.get("regions", ()) for r in results.values()):
         out["tp_note"] = (
             f"the rollouts ran at tensor parallel {tp}: the engine's all-reduce is one more rounding location, "
@@ -140,8 +141,13 @@ def _recommend(results: dict[str, Any], floor: dict[str, Any] | None) -> dict[st
     return out
 
 
-def extra_settings(results: dict[str, Any], evaluated: list) -> list[tuple[str, tuple[str, ...]]]:
-    """Region pairs to evaluate when no evaluated setting smaller than 'all' reaches the target."""
+def extra_settings(
+    results: dict[str, Any], evaluated: list, prompts: int | None = None
+) -> list[tuple[str, tuple[str, ...]]]:
+    """Region pairs to evaluate when no evaluated setting smaller than 'all' reaches the target (none when the
+    ``prompts`` are too few for a recommendation)."""
+    if prompts is not None and not enough_units(prompts):
+        return []
     from itertools import combinations
 
     from rlalign_verl.request.regions import REGIONS
