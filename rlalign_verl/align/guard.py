@@ -52,10 +52,10 @@ def check_intact(model: nn.Module, describe: str, expected: Iterable[type] = ())
         )
 
 
-def check_model_arg(model: object) -> None:
+def check_model_arg(model: object, function: str = "apply_alignment") -> None:
     """One-line error for a ``model`` argument that is not a module (a path, a state dict, a pipeline)."""
     if model is not None and not isinstance(model, nn.Module):
         raise UnsupportedModelError(
-            f"apply_alignment needs a torch.nn.Module (a transformers model), got a {type(model).__name__}; "
+            f"{function} needs a torch.nn.Module (a transformers model), got a {type(model).__name__}; "
             f"load it first, e.g. AutoModelForCausalLM.from_pretrained(path)"
         )

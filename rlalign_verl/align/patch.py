@@ -86,13 +86,20 @@ def _check_not_liger(model: nn.Module, family: ModelFamily, head_aligned: bool =
 
 
 def _base_model(model: nn.Module, family: ModelFamily) -> nn.Module:
+    """The one base model inside ``model``; a module holding two (a policy and a reference model in one container)
+    is refused: each has its own rotary table and final norm, which one patch of the container cannot hold."""
     base_cls = family.cls("base_model")
     if isinstance(model, base_cls):
         return model
-    for m in model.modules():
-        if isinstance(m, base_cls):
-            return m
-    raise UnsupportedModelError(f"no {family.base_model} found inside {type(model).__name__}")
+    found = [m for m in model.modules() if isinstance(m, base_cls)]
+    if len(found) > 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} holds {len(found)} {family.base_model} models; align each on its own "
+            "(apply_alignment(model_a, ...), apply_alignment(model_b, ...)), not the module that holds them"
+        )
+    if not found:
+        raise UnsupportedModelError(f"no {family.base_model} found inside {type(model).__name__}")
+    return found[0]
 
 
 def _model_type(model: nn.Module) -> str:
@@ -205,6 +212,9 @@ def get_alignment(model: nn.Module) -> AlignmentState | None:
 
     Raises ``AlignmentOverriddenError`` when the aligned forwards were replaced afterwards (e.g. by Liger).
     """
+    if model is None:
+        raise UnsupportedModelError("get_alignment needs the model: get_alignment(model)")
+    check_model_arg(model, "get_alignment")
     st = _state(model)
     if st is not None:
         family = get_family(st.model_type)
@@ -310,6 +320,7 @@ def _check_and_patch(
 
 def remove_alignment(model: nn.Module | None = None) -> None:
     """Undo :func:`apply_alignment`: on ``model``, or (``None``) the class form and every model it patched."""
+    check_model_arg(model, "remove_alignment")
     if model is not None:
         _unpatch_instance(model)
         return

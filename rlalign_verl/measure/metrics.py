@@ -209,3 +209,14 @@ def compute_mismatch_metrics(
         for name, v in zip(("logp_abs_diff_p50", "logp_abs_diff_p90", "logp_abs_diff_p99"), q, strict=True):
             out[f"{prefix}{name}"] = float(v)
     return out
+
+
+def all_nonfinite_line(metrics: dict[str, float]) -> str | None:
+    """The warning for a step whose every response token has a NaN/inf log-prob (only the counts are logged then);
+    ``None`` otherwise. Said by each trainer's metrics hook, the same words on verl and OpenRLHF."""
+    if metrics.get("mismatch/num_tokens", 0) == 0 and metrics.get("mismatch/nonfinite_tokens", 0) > 0:
+        return (
+            f"all {int(metrics['mismatch/nonfinite_tokens'])} response tokens of this step have a NaN/inf log-prob "
+            "(trainer or rollout); only the counts are logged"
+        )
+    return None

@@ -69,6 +69,34 @@ def installed_flags(module: str = CLI_MODULE) -> set[str] | None:
     return set(re.findall(r"""["'](--[A-Za-z0-9_.\-]+)["']""", source))
 
 
+def installed_switches(module: str = CLI_MODULE) -> set[str]:
+    """The ``store_true`` flags of the installed OpenRLHF CLI (read from its source; empty when unreadable)."""
+    try:
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr, arg-type]
+            source = f.read()
+    except (ImportError, ValueError, AttributeError, TypeError, OSError):
+        return set()
+    pattern = r"""add_argument\(\s*["'](--[A-Za-z0-9_.\-]+)["'][^)]*?action\s*=\s*["']store_true["']"""
+    return set(re.findall(pattern, source))
+
+
+def check_switch_values(argv: Sequence[str], switches: set[str] | None = None) -> None:
+    """Refuse a value given to an OpenRLHF on/off switch (``store_true``): its parser refuses ``--flag=false``
+    ("ignored explicit argument") and a value after it (an unrecognized argument), only after Ray is up."""
+    switches = installed_switches() if switches is None else switches
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if name not in switches or not (eq or (nxt is not None and not nxt.startswith("-"))):
+            continue
+        given = f"{name}={value}" if eq else f"{name} {nxt}"
+        raise ConfigFormatError(
+            f"{given}: {name} is an on/off switch in OpenRLHF (store_true), which takes no value and would stop "
+            f"OpenRLHF's parser after Ray started; give {name} alone to turn it on, or leave it out"
+        )
+
+
 def _used(argv: Sequence[str]) -> list[str]:
     return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
 

@@ -39,7 +39,7 @@ from typing import Any
 from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from rlalign_verl.base.options import parse_bool
 from rlalign_verl.catalog.profiles import get_profile
-from rlalign_verl.openrlhf.flags import check_abbreviations, check_spellings, spellings
+from rlalign_verl.openrlhf.flags import check_abbreviations, check_spellings, check_switch_values, spellings
 from rlalign_verl.openrlhf.model_checks import check_checkpoint, rollout_tp
 from rlalign_verl.openrlhf.moe_checks import expert_parallel_flag
 from rlalign_verl.request.checks import validate_request
@@ -290,6 +290,7 @@ def parse_launcher_args(argv: Sequence[str], *, checkpoint: bool = True) -> Laun
     spec = AlignmentSpec.parse(values, spelling="flag")
     check_spellings(rest)
     check_abbreviations(rest)
+    check_switch_values(rest)
     profile, reason = resolve_profile(spec.engine, enforce_eager=switch_on(rest, ENFORCE_EAGER_FLAGS))
     # the rollout's TP size is a fact of the rollout, read from OpenRLHF's flag as its parser reads it (the tp
     # region mirrors it); like the verl driver, only an aligned run reads it

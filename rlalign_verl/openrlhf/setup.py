@@ -204,6 +204,7 @@ def _clip_range(args: Any) -> tuple[float, float]:
 
 def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
     """Compute and attach the step's ``mismatch/*`` metrics; warn (never raise) on any failure."""
+    from rlalign_verl.measure.metrics import all_nonfinite_line
     from rlalign_verl.openrlhf.experience_metrics import attach_metrics, step_mismatch_metrics
 
     try:
@@ -217,6 +218,9 @@ def add_step_metrics(experiences: list, args: Any) -> dict[str, float] | None:
             )
             return None
         attach_metrics(experiences, metrics)
+        line = all_nonfinite_line(metrics)
+        if line:
+            logger.warning("%s", line)
         if _active is not None and _active.spec.doctor.enable:
             metrics = {**metrics, **_add_doctor_metrics(experiences, args)}
         return metrics

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlalign-verl",
         description="Rounding-location alignment between inference engines and the training stack.",
     )
+    from importlib.metadata import version
+
+    parser.add_argument("--version", action="version", version=f"rlalign-verl {version('rlalign-verl')}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)

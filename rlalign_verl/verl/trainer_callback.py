@@ -164,7 +164,7 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
         spec = run_spec(config)
         if spec is None or not spec.metrics:
             return {}
-        from rlalign_verl.measure.metrics import compute_mismatch_metrics
+        from rlalign_verl.measure.metrics import all_nonfinite_line, compute_mismatch_metrics
 
         train, rollout, mask, _ = step_tensors(batch)
         clip, low, high = _clip_range(config)
@@ -177,12 +177,9 @@ def step_mismatch_metrics(batch: Any, config: Any) -> dict[str, float]:
             clip_ratio_high=high,
             quantiles=spec.experimental.metrics_quantiles,
         )
-        if out.get("mismatch/num_tokens", 0) == 0 and out.get("mismatch/nonfinite_tokens", 0) > 0:
-            logger.warning(
-                "all %d response tokens of this step have a NaN/inf log-prob (trainer or "
-                "rollout); only the counts are logged",
-                out["mismatch/nonfinite_tokens"],
-            )
+        line = all_nonfinite_line(out)
+        if line:
+            logger.warning("%s", line)
         return loggable(out)
     except Exception as exc:  # never stop training; say each kind of problem once, not every step
         warn_once(logger, f"mismatch metrics skipped ({type(exc).__name__}: {exc}); training continues")

@@ -111,7 +111,15 @@ SPELLINGS = {
     "new release, dotted eager": (NEW_RELEASE, ["--vllm.enforce_eager"], "vllm-eager"),
     "new release, no eager": (NEW_RELEASE, [], "vllm"),
     "old release, flat eager": (OLD_RELEASE, ["--enforce_eager"], "vllm-eager"),
-    "old release, flat eager=false": (OLD_RELEASE, ["--enforce_eager=false"], "vllm"),
+    "old release, flat eager=false refused": (OLD_RELEASE, ["--enforce_eager=false"], "is an on/off switch"),
+    "new release, eager=false refused": (NEW_RELEASE, ["--vllm.enforce_eager=false"], "is an on/off switch"),
+    "new release, eager false refused": (
+        NEW_RELEASE,
+        ["--vllm.enforce_eager", "false"],
+        "is an on/off switch",
+    ),
+    "new release, liger=true refused": (NEW_RELEASE, ["--ds.use_liger_kernel=true"], "is an on/off switch"),
+    "new release, other switch=1 refused": (NEW_RELEASE, ["--ckpt.save_hf=1"], "is an on/off switch"),
     "old release, dotted eager refused": (OLD_RELEASE, ["--vllm.enforce_eager"], "use --enforce_eager"),
     "old release, dotted liger refused": (OLD_RELEASE, ["--ds.use_liger_kernel"], "use --use_liger_kernel"),
 }
@@ -122,9 +130,11 @@ def test_flags_are_read_in_the_installed_release_spelling(case, qwen2_dir, monke
     known, extra, want = SPELLINGS[case]
     assert NEW_RELEASE and "--vllm.enforce_eager" in NEW_RELEASE  # the test env has OpenRLHF >= 0.10
     monkeypatch.setattr(flags, "installed_flags", lambda *a: known)
+    if known is OLD_RELEASE:  # the old release's on/off switches (store_true, as in the new one)
+        monkeypatch.setattr(flags, "installed_switches", lambda *a: {"--enforce_eager", "--use_liger_kernel"})
     model = "--pretrain" if known is OLD_RELEASE else "--actor.model_name_or_path"
     argv = ["--alignment.regions", "rope", model, qwen2_dir, *extra]
-    if want.startswith("use "):
+    if not want.startswith("vllm"):
         with pytest.raises(Exception, match=want):
             parse_launcher_args(argv)
     else:

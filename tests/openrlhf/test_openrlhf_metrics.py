@@ -209,6 +209,20 @@ def test_metric_failure_warns_never_raises(plugin_ray, openrlhf_args, rollout, p
     assert any(m.startswith("mismatch metrics skipped (MetricsInputError") for m in plugin_log)
 
 
+def test_a_step_of_only_nan_log_probs_is_said_as_on_verl(plugin_ray, openrlhf_args, rollout, plugin_log):
+    from rlalign_verl.openrlhf.setup import add_step_metrics
+
+    samples, _ = rollout
+    nan = [type(s)(**{**s.__dict__, "info": dict(s.info)}) for s in samples]
+    for s in nan:
+        s.action_log_probs = torch.zeros_like(s.action_mask, dtype=torch.float)
+        s.rollout_log_probs = torch.full_like(s.action_log_probs, float("nan"))
+    metrics = add_step_metrics(nan, openrlhf_args)
+    assert metrics["mismatch/num_tokens"] == 0 and metrics["mismatch/nonfinite_tokens"] > 0
+    said = [m for m in plugin_log if "response tokens of this step have a NaN/inf log-prob" in m]
+    assert said and "only the counts are logged" in said[0], plugin_log
+
+
 def test_measure_only_requests_rollout_log_probs(plugin_ray, openrlhf_args):
     """With --alignment.collect_rollout_logprobs and IS correction off, OpenRLHF's samples generator sends
     logprobs=1 to the engines; with the option off it sends what OpenRLHF would (None)."""

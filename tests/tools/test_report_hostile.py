@@ -260,3 +260,36 @@ def test_a_tensorboard_tag_given_twice_in_one_event_is_said(tmp_path):
     run = load_run(_events(tmp_path / "tb", [[(HEADLINE, 0.25), (HEADLINE, 0.5)]]))
     assert run.series[HEADLINE] == [(1, 0.5)]
     assert any(p.startswith("step(s) 1 logged more than once") for p in run.problems), run.problems
+
+
+def test_a_tensorboard_record_with_damaged_bytes_is_skipped_and_said(tmp_path):
+    """A flipped bit inside a record's data (its length still intact): protobuf would parse it as another number;
+    the record's data checksum says it is damaged, so its value is skipped and named, the others read."""
+    import struct
+
+    pytest.importorskip("tensorboard")
+    directory = _events(tmp_path / "tb", [[(HEADLINE, 0.06 + 0.01 * s)] for s in range(5)])
+    path = next(directory.iterdir())
+    data = bytearray(path.read_bytes())
+    value = struct.pack("<f", 0.06 + 0.01 * 2)  # step 3's float
+    at = data.find(value)
+    data[at + 3] ^= 0x40  # the exponent: 0.08 becomes ~2.7e37
+    path.write_bytes(bytes(data))
+    run = load_run(directory)
+    assert [s for s, _ in run.series[HEADLINE]] == [1, 2, 4, 5]
+    assert any("event file damaged" in p and "1 record(s)" in p for p in run.problems), run.problems
+
+
+def test_cli_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    from rlalign_verl.tools.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"rlalign-verl {version('rlalign-verl')}"
+    import rlalign_verl
+
+    assert rlalign_verl.__version__ == version(
+        "rlalign-verl"
+    )  # pyproject.toml and the package say one version

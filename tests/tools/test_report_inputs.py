@@ -86,8 +86,22 @@ def test_out_of_range_numbers_and_steps_are_no_traceback(tmp_path):
     assert run.series[HEADLINE] == [(3, 0.3)]
     text = " | ".join(run.problems)
     assert "dropped step(s) 1 (inf: not finite)" in text
-    assert "3 unreadable line(s) skipped: line 2 (step inf is not a whole number)" in text
-    assert "line 3 (step 2.5 is not a whole number)" in text and "line 5 (not JSON)" in text
+    assert "3 unreadable line(s) skipped: line 2 (step inf is not a whole number from 0 to 1e+09)" in text
+    assert "line 3 (step 2.5 is not a whole number" in text and "line 5 (not JSON)" in text
+
+
+@pytest.mark.parametrize("step", ['"1_0"', '"\u0661"', "-2", "1e300", '"-1"', "1000000001", '" 7x"'])
+def test_a_step_verl_would_not_write_is_named_not_read(tmp_path, step):
+    """int() reads "1_0" as 10 and Arabic-Indic digits as numbers; a 1e300 step would squash the step axis."""
+    path = tmp_path / "r.jsonl"
+    path.write_text(
+        f'{{"step": 1, "data": {{"{HEADLINE}": 0.1}}}}\n{{"step": {step}, "data": {{"{HEADLINE}": 0.2}}}}\n'
+    )
+    run = load_run(path)
+    assert run.series[HEADLINE] == [(1, 0.1)]
+    assert any("line 2 (step" in p and "is not a whole number from 0 to 1e+09" in p for p in run.problems), (
+        run.problems
+    )
 
 
 def test_a_line_separator_inside_a_string_does_not_split_the_line(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,23 +84,24 @@ def _decode(path: Path, data: bytes, result: JsonlScalars) -> list[str]:
     return lines
 
 
+MAX_STEP = 10**9
+"""The largest step read: a training run is far shorter, and a stray 1e300 would squash every real point."""
+
+
 def _step(value: Any) -> int | None:
-    """A whole-number step (``3``, ``3.0``, ``"3"``); ``None`` for anything else."""
+    """A whole-number step from 0 to :data:`MAX_STEP` (``3``, ``3.0``, ``"3"``: ASCII digits, as verl writes them);
+    ``None`` for anything else (``"1_0"``, other scripts' digits, negative or huge steps)."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() else None
     if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-        try:
-            return _step(float(value.strip()))
-        except ValueError:
+        text = value.strip()
+        if not re.fullmatch(r"[0-9]+(\.0*)?", text):  # int() would read "1_0" as 10 and Arabic-Indic digits
             return None
+        value = int(text.split(".")[0])
+    if isinstance(value, float):
+        value = int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, int) and 0 <= value <= MAX_STEP:
+        return value
     return None
 
 
@@ -122,7 +124,7 @@ def _row(text: str) -> tuple[int, dict[str, Any]] | str:
         return "not a verl metrics line (no step and data)"
     step = _step(row["step"])
     if step is None:
-        return f"step {short(row['step'], 16)} is not a whole number"
+        return f"step {short(row['step'], 16)} is not a whole number from 0 to {MAX_STEP:.0e}"
     if not isinstance(row["data"], dict):
         return "data is not an object"
     return step, row["data"]

@@ -200,6 +200,10 @@ def _load_tensorboard(
         problems.append(
             f"event file truncated or corrupt ({item} unread): the steps written after it are missing"
         )
+    for item in events.damaged:
+        problems.append(
+            f"event file damaged ({item} failing their checksum): their values are skipped, not plotted"
+        )
     line = _values_problem(events.non_numeric, "non-numeric value(s) under scalar tags skipped")
     if line:
         problems.append(line)

@@ -70,25 +70,34 @@ class EventScalars:
     series: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     truncated: list[str] = field(default_factory=list)
     """``"<file>: <n> bytes"`` per file whose tail is a partial record (or a corrupt one)."""
+    damaged: list[str] = field(default_factory=list)
+    """``"<file>: <n> record(s)"`` per file with whole records that fail their data checksum (skipped)."""
     non_numeric: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Tag -> (count, example) of the values logged under a scalar tag that are not one number."""
 
 
-def _records(data: bytes) -> tuple[list[bytes], int]:
-    """The complete records of an event file's bytes, and how many trailing bytes were left (a partial one,
-    or from the first record whose length field fails its checksum: garbage, not a record)."""
+def _records(data: bytes) -> tuple[list[bytes], int, int]:
+    """The complete records of an event file's bytes whose data passes its checksum; how many trailing bytes were
+    left (a partial record, or from the first record whose length field fails its checksum: garbage, not a
+    record); and how many whole records failed their data checksum (damaged bytes: skipped, never read as a
+    value — protobuf would parse a flipped bit as another number)."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    out, pos = [], 0
+    out, pos, damaged = [], 0, 0
     while pos + 12 <= len(data):
         (length,) = struct.unpack_from("<Q", data, pos)
         (length_crc,) = struct.unpack_from("<I", data, pos + 8)
         end = pos + 12 + length + 4
         if length_crc != masked_crc32c(data[pos : pos + 8]) or end > len(data):
             break
-        out.append(data[pos + 12 : pos + 12 + length])
+        record = data[pos + 12 : pos + 12 + length]
+        (data_crc,) = struct.unpack_from("<I", data, end - 4)
+        if data_crc == masked_crc32c(record):
+            out.append(record)
+        else:
+            damaged += 1
         pos = end
-    return out, len(data) - pos
+    return out, len(data) - pos, damaged
 
 
 def _scalar(value: Any, tensor_util: Any) -> float | str:
@@ -122,9 +131,11 @@ def read_scalars(directory: Path) -> EventScalars:
                 f"event file {path} cannot be read ({err.strerror or type(err).__name__}); "
                 "make it readable or pass another run"
             ) from None
-        records, left = _records(data)
+        records, left, damaged = _records(data)
         if left:
             result.truncated.append(f"{path.name}: {left} bytes")
+        if damaged:
+            result.damaged.append(f"{path.name}: {damaged} record(s)")
         for raw in records:
             event = event_pb2.Event()
             try:
