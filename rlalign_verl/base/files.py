@@ -88,7 +88,7 @@ class OutDir:
     def write(self, name: str, data: bytes) -> Path:
         """Write ``data`` to a new temporary file here and rename it over ``name`` (a link is replaced,
         never followed); one-line error when the disk refuses."""
-        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        tmp = temp_name(name).name
         try:
             fd = os.open(tmp, _NEW_FILE_FLAGS, 0o666, dir_fd=self.fd)
             try:

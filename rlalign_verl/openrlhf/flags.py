@@ -52,9 +52,8 @@ def spellings(setting: str) -> tuple[str, ...]:
     return FLAG_TABLE[setting]
 
 
-def installed_flags(module: str = CLI_MODULE) -> set[str] | None:
-    """The ``--flag`` names declared in the installed OpenRLHF CLI's source (read, not imported);
-    ``None`` when OpenRLHF is not installed or its source is unreadable."""
+def _cli_source(module: str) -> str | None:
+    """The installed OpenRLHF CLI's source (read, not imported); ``None`` when not installed or unreadable."""
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -63,22 +62,34 @@ def installed_flags(module: str = CLI_MODULE) -> set[str] | None:
         return None
     try:
         with open(spec.origin, encoding="utf-8") as f:
-            source = f.read()
+            return f.read()
     except OSError:
         return None
-    return set(re.findall(r"""["'](--[A-Za-z0-9_.\-]+)["']""", source))
+
+
+def installed_flags(module: str = CLI_MODULE) -> set[str] | None:
+    """The ``--flag`` names declared in the installed OpenRLHF CLI's source (read, not imported);
+    ``None`` when OpenRLHF is not installed or its source is unreadable."""
+    source = _cli_source(module)
+    return None if source is None else set(re.findall(r"""["'](--[A-Za-z0-9_.\-]+)["']""", source))
 
 
 def installed_switches(module: str = CLI_MODULE) -> set[str]:
     """The ``store_true`` flags of the installed OpenRLHF CLI (read from its source; empty when unreadable)."""
-    try:
-        spec = importlib.util.find_spec(module)
-        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr, arg-type]
-            source = f.read()
-    except (ImportError, ValueError, AttributeError, TypeError, OSError):
-        return set()
     pattern = r"""add_argument\(\s*["'](--[A-Za-z0-9_.\-]+)["'][^)]*?action\s*=\s*["']store_true["']"""
-    return set(re.findall(pattern, source))
+    return set(re.findall(pattern, _cli_source(module) or ""))
+
+
+def last_given(argv: Sequence[str], names: Sequence[str]) -> tuple[str, str | bool] | None:
+    """``(flag as written, value)`` of the last of ``names`` in ``argv`` (argparse keeps the last): ``--f v`` or
+    ``--f=v``, ``True`` for a bare ``--f`` (at the end, or before another flag); ``None`` when absent."""
+    found: tuple[str, str | bool] | None = None
+    for i, arg in enumerate(argv):
+        name, eq, rest = arg.partition("=")
+        if name in names:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            found = (name, rest if eq else (nxt if nxt is not None and not nxt.startswith("--") else True))
+    return found
 
 
 def check_switch_values(argv: Sequence[str], switches: set[str] | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, UnsupportedModelError
 from rlalign_verl.base.options import spelled_as
 from rlalign_verl.catalog.profiles import EngineProfile
-from rlalign_verl.openrlhf.flags import installed_flags, spellings
+from rlalign_verl.openrlhf.flags import installed_flags, last_given, spellings
 from rlalign_verl.openrlhf.log import logger
 from rlalign_verl.request.checkpoint import checkpoint_config
 from rlalign_verl.request.checks import check_model, check_param_dtype, parse_head_dtype
@@ -35,14 +35,10 @@ PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def last_flag(argv: Sequence[str], names: Sequence[str]) -> tuple[str, str] | None:
-    """``(flag as written, value)`` of the last of ``names`` in ``argv`` (``--f v`` or ``--f=v``; argparse keeps
-    the last), ``None`` when absent. A flag at the end of ``argv`` has the value ``""``."""
-    found = None
-    for i, arg in enumerate(argv):
-        name, eq, rest = arg.partition("=")
-        if name in names:
-            found = (name, rest if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
-    return found
+    """:func:`~rlalign_verl.openrlhf.flags.last_given` for a flag that takes a value: given bare, its value is
+    ``""`` (refused by each reader)."""
+    given = last_given(argv, names)
+    return None if given is None else (given[0], "" if given[1] is True else given[1])
 
 
 def flag_name(setting: str) -> str:

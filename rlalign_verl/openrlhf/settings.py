@@ -39,7 +39,13 @@ from typing import Any
 from rlalign_verl.base.errors import AlignmentError, ConfigFormatError, ProfileMismatchError
 from rlalign_verl.base.options import parse_bool
 from rlalign_verl.catalog.profiles import get_profile
-from rlalign_verl.openrlhf.flags import check_abbreviations, check_spellings, check_switch_values, spellings
+from rlalign_verl.openrlhf.flags import (
+    check_abbreviations,
+    check_spellings,
+    check_switch_values,
+    last_given,
+    spellings,
+)
 from rlalign_verl.openrlhf.model_checks import check_checkpoint, rollout_tp
 from rlalign_verl.openrlhf.moe_checks import expert_parallel_flag
 from rlalign_verl.request.checks import validate_request
@@ -159,15 +165,8 @@ class Settings:
 def flag_value(argv: Sequence[str], names: Sequence[str]) -> str | bool | None:
     """The value of the first of ``names`` found in ``argv``: its argument, ``True`` for a bare switch,
     ``None`` when absent. Handles ``--flag value`` and ``--flag=value``; the last occurrence wins."""
-    found: str | bool | None = None
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name:
-                nxt = argv[i + 1] if i + 1 < len(argv) else None
-                found = nxt if nxt is not None and not nxt.startswith("--") else True
-            elif arg.startswith(name + "="):
-                found = arg.split("=", 1)[1]
-    return found
+    given = last_given(argv, names)
+    return None if given is None else given[1]
 
 
 def switch_on(argv: Sequence[str], names: Sequence[str]) -> bool:

@@ -42,27 +42,31 @@ def workers_device(config: Any) -> str:
 def workers_profile(config: Any, spec: AlignmentSpec) -> str:
     """The profile the workers align to, as the start-up line names it: ``spec``'s, or, where ``auto`` resolved on a
     driver of another device, the workers' device's build and why."""
-    from rlalign_verl.catalog.placement import profile_for_device
-
-    device = workers_device(config)
     try:
-        placed = profile_for_device(spec.engine, device, auto=spec.engine_auto).name
+        placed = placed_profile(config, spec).name
     except (
         ProfileMismatchError
     ):  # an explicit profile for the other device: the worker refuses it where it runs
         return str(spec.engine)
     if placed == spec.engine:
         return placed
+    device = workers_device(config)
     return f"{placed} (the workers run on {device}: auto moves {spec.engine}, chosen on this driver, to that build)"
+
+
+def placed_profile(config: Any, spec: AlignmentSpec) -> Any:
+    """The profile the workers align to: ``spec``'s, ``auto`` placed on the workers' device as each worker does."""
+    from rlalign_verl.catalog.placement import profile_for_device
+
+    return profile_for_device(spec.engine, workers_device(config), auto=spec.engine_auto)
 
 
 def run_fingerprint(config: Any, spec: AlignmentSpec) -> tuple[EngineFingerprint, Any]:
     """``(fingerprint, profile)``: the run's engine and the profile its workers align to (``auto`` placed on the
     workers' device, as each worker does)."""
-    from rlalign_verl.catalog.placement import profile_for_device
     from rlalign_verl.verl.head_dtype import engine_head_dtype
 
-    profile = profile_for_device(spec.engine, workers_device(config), auto=spec.engine_auto)
+    profile = placed_profile(config, spec)
     head, _ = engine_head_dtype(config) if _select(config, "actor_rollout_ref") is not None else (None, "")
     backend = _select(config, f"{VLLM_KWARGS}.attention_backend") or os.environ.get("VLLM_ATTENTION_BACKEND")
     fp = fingerprint_for(

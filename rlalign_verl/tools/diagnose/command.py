@@ -37,7 +37,6 @@ from rlalign_verl.tools.diagnose.options import DEFAULT_SETTINGS, DiagnoseOption
 from rlalign_verl.tools.diagnose.progress import stage
 from rlalign_verl.tools.diagnose.recommend import extra_settings, recommend
 from rlalign_verl.tools.diagnose.render import PLOTS, format_report, write_plots
-from rlalign_verl.tools.diagnose.stats import prompt_groups
 from rlalign_verl.tools.diagnose.tiny import TINY_ARCHS
 
 OUTPUTS = ("diagnose.json", *PLOTS, "engine.log", "rollouts.jsonl")
@@ -220,7 +219,7 @@ def _settings(
     extra = pipeline.recompute_settings(
         hf,
         s,
-        extra_settings(results, settings, len(set(prompt_groups(s.rollouts)))),
+        extra_settings(results, settings, s.prompts),
         opts.seed,
         " (for the recommendation)",
         flips,
@@ -321,7 +320,7 @@ def _result(opts, s, dist, results, floor_result, floor_note, probe_result) -> d
         "floor": floor_result,
         "floor_note": floor_note,
         "op_probe": probe_result,
-        "recommendation": recommend(results, floor_result, s.tp, prompts=len(set(prompt_groups(s.rollouts)))),
+        "recommendation": recommend(results, floor_result, s.tp, prompts=s.prompts),
     }
 
 

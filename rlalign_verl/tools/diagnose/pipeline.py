@@ -40,6 +40,11 @@ class Sample:
     (:func:`.dump_header.logprob_temperature`); the recompute does the same."""
 
     @property
+    def prompts(self) -> int:
+        """The distinct prompts: the units the intervals resample (a recommendation needs enough of them)."""
+        return len(set(prompt_groups(self.rollouts)))
+
+    @property
     def tp(self) -> int:
         """The rollout's tensor-parallel size (the header's): the ``tp`` region and the floor mirror it."""
         return int(self.header.tensor_parallel_size)
